@@ -1,0 +1,28 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="specjax",
+    version="0.1.0",
+    description="Lossless speculative decoding in JAX/Flax",
+    python_requires=">=3.11",
+    packages=find_packages(include=["specjax", "specjax.*", "experiments", "configs"]),
+    package_data={"specjax": ["py.typed"]},
+    install_requires=[
+        "jax>=0.4.35",
+        "flax>=0.12.0",
+        "optax>=0.2.4",
+        "orbax-checkpoint>=0.11.0",
+        "numpy>=1.26",
+        "absl-py>=2.1",
+        "chex>=0.1.88",
+        "ml-collections>=0.1.1",
+        "tokenizers>=0.20",
+        "matplotlib>=3.8",
+        "tqdm>=4.66",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "nbformat>=5.9", "nbclient>=0.10", "ipykernel>=6.29"],
+        "hf": ["torch==2.13.0", "transformers>=4.46", "safetensors>=0.4",
+               "huggingface-hub>=0.26"],
+    },
+)

@@ -1,0 +1,3 @@
+"""specjax: lossless speculative decoding in JAX/Flax."""
+from specjax.config import ModelConfig
+from specjax.model import Model, init_model

@@ -1,0 +1,91 @@
+"""Static model configuration: one frozen dataclass describes GPT-2- and Llama-style models."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Architecture of a decoder-only transformer.
+
+  The defaults describe a GPT-2-style model (LayerNorm, learned positions, GELU MLP,
+  biases, tied embeddings); `ModelConfig.llama(...)` flips them to RMSNorm, RoPE,
+  SwiGLU, grouped-query attention and an untied head. Frozen and hashable, so it can be
+  a static argument of `jax.jit`.
+  """
+
+  vocab_size: int
+  d_model: int
+  n_layers: int
+  n_heads: int
+  max_len: int
+  n_kv_heads: int | None = None  # None: n_heads (multi-head attention)
+  head_dim: int | None = None  # None: d_model // n_heads
+  d_ff: int | None = None  # None: 4 * d_model
+  norm: str = "layernorm"  # 'layernorm' | 'rmsnorm'
+  norm_eps: float = 1e-5
+  position: str = "learned"  # 'learned' | 'rope'
+  rope_theta: float = 10000.0
+  mlp: str = "gelu"  # 'gelu' (tanh approximation, GPT-2's gelu_new) | 'swiglu'
+  qkv_bias: bool = True
+  out_bias: bool = True
+  mlp_bias: bool = True
+  tie_embeddings: bool = True
+
+  def __post_init__(self):
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_len"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+    if self.norm not in ("layernorm", "rmsnorm"):
+      raise ValueError(f"ModelConfig.norm must be 'layernorm' or 'rmsnorm', got {self.norm!r}")
+    if self.position not in ("learned", "rope"):
+      raise ValueError(f"ModelConfig.position must be 'learned' or 'rope', got {self.position!r}")
+    if self.mlp not in ("gelu", "swiglu"):
+      raise ValueError(f"ModelConfig.mlp must be 'gelu' or 'swiglu', got {self.mlp!r}")
+    if self.head_dim is None and self.d_model % self.n_heads:
+      raise ValueError(
+          f"ModelConfig.d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+          "set head_dim explicitly")
+    if self.n_heads % self.kv_heads:
+      raise ValueError(
+          f"ModelConfig.n_heads={self.n_heads} must be a multiple of n_kv_heads={self.kv_heads}")
+    if self.position == "rope" and self.dim_per_head % 2:
+      raise ValueError(f"RoPE needs an even head_dim, got {self.dim_per_head}")
+
+  @property
+  def kv_heads(self) -> int:
+    return self.n_kv_heads or self.n_heads
+
+  @property
+  def dim_per_head(self) -> int:
+    return self.head_dim or self.d_model // self.n_heads
+
+  @property
+  def ff_dim(self) -> int:
+    return self.d_ff or 4 * self.d_model
+
+  @classmethod
+  def llama(cls, **kwargs) -> "ModelConfig":
+    """A Llama-style config: RMSNorm, RoPE, SwiGLU, no biases, untied head."""
+    base = dict(norm="rmsnorm", norm_eps=1e-6, position="rope", mlp="swiglu",
+                qkv_bias=False, out_bias=False, mlp_bias=False, tie_embeddings=False)
+    base.update(kwargs)
+    return cls(**base)
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  def to_json(self) -> str:
+    return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(d) - known
+    if unknown:
+      raise ValueError(f"unknown ModelConfig fields: {sorted(unknown)}")
+    return cls(**d)

@@ -1,0 +1,249 @@
+"""Decoder-only transformer (Flax NNX) and the pure functions that run it.
+
+The module tree is built once; `nnx.split` separates a static `graphdef` from the
+parameters, which travel as a plain nested dict through `jax.jit`-ed functions and are
+merged back inside. Attention is written here (not Flax's decode cache) because every
+row of a batch writes at its own position and a verify pass writes several tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax import kv_cache
+from specjax.config import ModelConfig
+
+Params = dict[str, Any]
+
+
+def _dense(rngs, d_in, d_out, bias, std):
+  return nnx.Linear(d_in, d_out, use_bias=bias, rngs=rngs,
+                    kernel_init=nnx.initializers.normal(std))
+
+
+def _norm(cfg: ModelConfig, rngs):
+  if cfg.norm == "rmsnorm":
+    return nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, rngs=rngs)
+  return nnx.LayerNorm(cfg.d_model, epsilon=cfg.norm_eps, rngs=rngs)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+  """Rotary embedding in the rotate-half layout (the one Hugging Face Llama uses).
+
+  x: [B, T, H, D]; positions: int[B, T].
+  """
+  half = x.shape[-1] // 2
+  freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  angles = positions[..., None].astype(jnp.float32) * freqs  # [B, T, half]
+  cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+  x1, x2 = x[..., :half], x[..., half:]
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def attend(q, k, v, q_pos, k_pos, k_valid):
+  """Causal attention by absolute position, with grouped-query heads.
+
+  q: [B, T, H, D]; k, v: [B, S, KVH, D]; q_pos: int[B, T]; k_pos: int[B, S];
+  k_valid: bool[B, S]. A key is seen iff it is valid and not after the query.
+  """
+  b, t, h, d = q.shape
+  kvh = k.shape[2]
+  # Invalid slots may hold anything (stale drafts, NaN): zero them so 0 * NaN never
+  # reaches the weighted sum.
+  v = jnp.where(k_valid[:, :, None, None], v, 0.0)
+  qg = q.reshape(b, t, kvh, h // kvh, d)
+  scores = jnp.einsum("btkgd,bskd->bkgts", qg, k) * (d ** -0.5)
+  mask = k_valid[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])  # [B, T, S]
+  scores = jnp.where(mask[:, None, None], scores.astype(jnp.float32), -1e30)
+  weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  out = jnp.einsum("bkgts,bskd->btkgd", weights, v)
+  return out.reshape(b, t, h * d)
+
+
+class Attention(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    h, kvh, d = cfg.n_heads, cfg.kv_heads, cfg.dim_per_head
+    # q, k and v in one matmul: fewer, larger ops are what a small model needs on CPU.
+    self.qkv = _dense(rngs, cfg.d_model, (h + 2 * kvh) * d, cfg.qkv_bias, 0.02)
+    self.out = _dense(rngs, h * d, cfg.d_model, cfg.out_bias, 0.02 / (2 * cfg.n_layers) ** 0.5)
+
+  def __call__(self, x, positions, cache=None):
+    """x: [B, T, d_model]; positions: int[B, T]; cache: (k, v, length) or None."""
+    cfg = self.cfg
+    b, t, _ = x.shape
+    h, kvh, d = cfg.n_heads, cfg.kv_heads, cfg.dim_per_head
+    qkv = self.qkv(x)
+    q = qkv[..., : h * d].reshape(b, t, h, d)
+    k = qkv[..., h * d: (h + kvh) * d].reshape(b, t, kvh, d)
+    v = qkv[..., (h + kvh) * d:].reshape(b, t, kvh, d)
+    if cfg.position == "rope":
+      q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
+    if cache is None:
+      out = attend(q, k, v, positions, positions, jnp.ones((b, t), bool))
+      return self.out(out), None
+    k_buf, v_buf, length = cache
+    k_buf = kv_cache.write(k_buf, k, length)
+    v_buf = kv_cache.write(v_buf, v, length)
+    k_pos = jnp.broadcast_to(jnp.arange(k_buf.shape[1]), (b, k_buf.shape[1]))
+    out = attend(q, k_buf, v_buf, positions, k_pos, k_pos < (length + t)[:, None])
+    return self.out(out), (k_buf, v_buf)
+
+
+class MLP(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    width = 2 * cfg.ff_dim if cfg.mlp == "swiglu" else cfg.ff_dim  # gate and up fused
+    self.up = _dense(rngs, cfg.d_model, width, cfg.mlp_bias, 0.02)
+    self.down = _dense(rngs, cfg.ff_dim, cfg.d_model, cfg.mlp_bias,
+                       0.02 / (2 * cfg.n_layers) ** 0.5)
+
+  def __call__(self, x):
+    hidden = self.up(x)
+    if self.cfg.mlp == "swiglu":
+      gate, up = jnp.split(hidden, 2, axis=-1)
+      hidden = jax.nn.silu(gate) * up
+    else:
+      hidden = jax.nn.gelu(hidden, approximate=True)
+    return self.down(hidden)
+
+
+class Block(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.attn_norm = _norm(cfg, rngs)
+    self.attn = Attention(cfg, rngs)
+    self.mlp_norm = _norm(cfg, rngs)
+    self.mlp = MLP(cfg, rngs)
+
+  def __call__(self, x, positions, cache=None):
+    attn_out, cache = self.attn(self.attn_norm(x), positions, cache)
+    x = x + attn_out
+    return x + self.mlp(self.mlp_norm(x)), cache
+
+
+class Transformer(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs,
+                           embedding_init=nnx.initializers.normal(0.02))
+    if cfg.position == "learned":
+      self.pos_embed = nnx.Embed(cfg.max_len, cfg.d_model, rngs=rngs,
+                                 embedding_init=nnx.initializers.normal(0.01))
+    self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
+    self.final_norm = _norm(cfg, rngs)
+    if not cfg.tie_embeddings:
+      self.lm_head = _dense(rngs, cfg.d_model, cfg.vocab_size, False, 0.02)
+
+  def __call__(self, tokens, positions, kv: kv_cache.KVState | None = None):
+    """tokens, positions: int[B, T] -> (logits float32[B, T, V], new k/v per layer)."""
+    x = self.embed(tokens)
+    if self.cfg.position == "learned":
+      # Positions past max_len only occur for draft tokens that can never be committed.
+      x = x + jnp.take(self.pos_embed.embedding[...], positions, axis=0, mode="clip")
+    ks, vs = [], []
+    for i, block in enumerate(self.blocks):
+      cache = None if kv is None else (kv.k[i], kv.v[i], kv.length)
+      x, new_cache = block(x, positions, cache)
+      if new_cache is not None:
+        ks.append(new_cache[0])
+        vs.append(new_cache[1])
+    x = self.final_norm(x)
+    if self.cfg.tie_embeddings:
+      logits = self.embed.attend(x)
+    else:
+      logits = self.lm_head(x)
+    return logits.astype(jnp.float32), (tuple(ks), tuple(vs))
+
+
+# ----------------------------------------------------------------------------
+# Pure functions over (graphdef, params). graphdef is static (hashable); params is a
+# nested dict of arrays.
+
+
+def split(module: Transformer):
+  graphdef, state = nnx.split(module)
+  return graphdef, nnx.to_pure_dict(state)
+
+
+def merge(graphdef, params: Params) -> Transformer:
+  return nnx.merge(graphdef, params)
+
+
+def forward(graphdef, params: Params, tokens: jax.Array) -> jax.Array:
+  """Uncached forward over whole sequences: int[B, T] -> float32[B, T, V]."""
+  module = merge(graphdef, params)
+  b, t = tokens.shape
+  positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  logits, _ = module(tokens, positions)
+  return logits
+
+
+def forward_cached(graphdef, params: Params, tokens: jax.Array, kv: kv_cache.KVState):
+  """Feeds tokens int[B, T] at each row's own `kv.length`; returns (logits, kv + T)."""
+  module = merge(graphdef, params)
+  t = tokens.shape[1]
+  positions = kv.length[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+  logits, (ks, vs) = module(tokens, positions, kv)
+  return logits, kv_cache.KVState(k=ks, v=vs, length=kv.length + t)
+
+
+forward_jit = jax.jit(forward, static_argnums=0)
+forward_cached_jit = jax.jit(forward_cached, static_argnums=0)
+
+
+def count_params(params: Params) -> int:
+  return sum(int(x.size) for x in jax.tree_util.tree_leaves(params))
+
+
+class Model:
+  """A model ready to use: config, static graph, parameters and (optionally) a tokenizer.
+
+  Not a pytree on purpose: jitted code receives `graphdef` (static) and `params`.
+  """
+
+  def __init__(self, config: ModelConfig, graphdef, params: Params, tokenizer=None):
+    self.config = config
+    self.graphdef = graphdef
+    self.params = params
+    self.tokenizer = tokenizer
+
+  @property
+  def num_params(self) -> int:
+    return count_params(self.params)
+
+  def logits(self, tokens) -> jax.Array:
+    """int [B, T] -> float32 [B, T, V], no cache."""
+    tokens = jnp.asarray(tokens, jnp.int32)
+    if tokens.ndim != 2:
+      raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
+    if tokens.shape[1] > self.config.max_len:
+      raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_len={self.config.max_len}")
+    return forward_jit(self.graphdef, self.params, tokens)
+
+  def with_params(self, params: Params) -> "Model":
+    return Model(self.config, self.graphdef, params, self.tokenizer)
+
+  def __repr__(self):
+    return f"Model({self.config}, params={self.num_params:,})"
+
+
+@functools.lru_cache(maxsize=None)
+def graphdef_for(cfg: ModelConfig):
+  """The static graph of a config, built without allocating weights."""
+  abstract = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
+  return nnx.split(abstract)[0]
+
+
+def init_model(cfg: ModelConfig, seed: int = 0) -> Model:
+  """A model with freshly initialised random weights."""
+  graphdef, params = split(Transformer(cfg, nnx.Rngs(seed)))
+  return Model(cfg, graphdef, params)
