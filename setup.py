@@ -5,7 +5,7 @@ setup(
     version="0.1.0",
     description="Lossless speculative decoding in JAX/Flax",
     python_requires=">=3.11",
-    packages=find_packages(include=["specjax", "specjax.*", "experiments", "configs"]),
+    packages=find_packages(include=["specjax", "specjax.*"]),
     package_data={"specjax": ["py.typed"]},
     install_requires=[
         "jax>=0.4.35",

@@ -34,7 +34,16 @@ def process_logits(logits: jax.Array, temperature, top_k, top_p) -> jax.Array:
 
   greedy = temperature <= 0.0
   scaled = logits / jnp.where(greedy, 1.0, temperature)
+  filtered = jax.lax.cond(jnp.any(top_k > 0) | jnp.any(top_p < 1.0),
+                          _filter_top_k_top_p, lambda s, k, p: s, scaled, top_k, top_p)
+  probs = jax.nn.softmax(filtered, axis=-1)
+  one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=jnp.float32)
+  return jnp.where(greedy, one_hot, probs)
 
+
+def _filter_top_k_top_p(scaled, top_k, top_p):
+  """Sets logits outside the top-k / top-p support to -inf (ties at the cut are kept)."""
+  vocab = scaled.shape[-1]
   # One descending sort serves both filters: top-k cuts at the k-th value, then top-p
   # keeps the smallest head of the sorted distribution whose mass reaches p.
   sorted_desc = -jnp.sort(-scaled, axis=-1)
@@ -45,10 +54,7 @@ def process_logits(logits: jax.Array, temperature, top_k, top_p) -> jax.Array:
   n_keep = jnp.maximum(jnp.sum(mass_before < top_p, axis=-1, keepdims=True), 1)
   pth = jnp.take_along_axis(sorted_desc, n_keep - 1, axis=-1)
   cut = jnp.maximum(kth, jnp.where(top_p < 1.0, pth, -jnp.inf))
-
-  probs = jax.nn.softmax(jnp.where(scaled >= cut, scaled, -jnp.inf), axis=-1)
-  one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=jnp.float32)
-  return jnp.where(greedy, one_hot, probs)
+  return jnp.where(scaled >= cut, scaled, -jnp.inf)
 
 
 def sample(key: jax.Array, probs: jax.Array) -> jax.Array:

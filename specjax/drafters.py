@@ -1,0 +1,151 @@
+"""Drafters: what proposes γ tokens each round, behind one small interface.
+
+A drafter is a frozen (hashable) dataclass, so it is a static argument of the jitted
+decode loop, with four pure methods:
+
+  init(batch, size)                      -> state (a pytree; may be empty)
+  prefill(params, state, tokens, n)      -> state, ready for the first round
+  propose(params, state, tokens, n, key, sampling)
+                                         -> (y int[B, γ], q [B, γ, V], state)
+  rollback(state, n)                     -> state consistent with the committed n
+
+`tokens[B, S]` is the sequence buffer and `n[B]` the committed length of each row; the
+last committed token (index n-1) has no KV yet on either side. q is the distribution
+each y was drawn from (one-hot for token-only drafts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from specjax import kv_cache
+from specjax import model as model_lib
+from specjax.config import ModelConfig
+from specjax.sampling import process_logits, sample
+
+
+@dataclasses.dataclass(frozen=True)
+class NoDrafter:
+  """γ = 0: every round is one plain autoregressive target step."""
+
+  vocab_size: int
+  gamma: int = 0
+
+  def init(self, batch, size):
+    return ()
+
+  def prefill(self, params, state, tokens, n):
+    return state
+
+  def propose(self, params, state, tokens, n, key, sampling):
+    b = tokens.shape[0]
+    return (jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0, self.vocab_size), jnp.float32), state)
+
+  def rollback(self, state, n):
+    return state
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDrafter:
+  """A small causal LM with its own KV cache proposes γ tokens inside the round.
+
+  sample_mode 'probabilistic' draws y ~ q (q = the draft's processed distribution);
+  'greedy' takes the draft's argmax and verifies against a one-hot q.
+  """
+
+  config: ModelConfig
+  graphdef: Any
+  gamma: int
+  sample_mode: str = "probabilistic"
+
+  def init(self, batch, size):
+    return kv_cache.init_kv(self.config, batch, size)
+
+  def prefill(self, params, kv, tokens, n):
+    _, kv = model_lib.forward_cached(self.graphdef, params, tokens, kv)
+    return kv.rollback(n - 1)
+
+  def _draw(self, key, logits, sampling):
+    if self.sample_mode == "greedy":
+      y = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+      return y, jax.nn.one_hot(y, logits.shape[-1], dtype=jnp.float32)
+    q = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+    return sample(key, q), q
+
+  def propose(self, params, kv, tokens, n, key, sampling):
+    # After a fully accepted round the draft never saw y_γ, so its cache may be one
+    # behind the committed history. Feeding two tokens from its own length catches up
+    # in either case with one static shape; a surplus write lands past the new length.
+    start = kv.length
+    chunk = jnp.take_along_axis(tokens, start[:, None] + jnp.arange(2)[None, :], axis=1,
+                                mode="clip")
+    logits, kv = model_lib.forward_cached(self.graphdef, params, chunk, kv)
+    last = (n - 1) - start  # 0 or 1: which of the two fed tokens is the newest
+    logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
+    kv = kv.rollback(n)
+
+    def step(carry, step_key):
+      logits, kv = carry
+      y, q = self._draw(step_key, logits, sampling)
+      logits, kv = model_lib.forward_cached(self.graphdef, params, y[:, None], kv)
+      return (logits[:, 0], kv), (y, q)
+
+    keys = jax.random.split(key, self.gamma)
+    (logits, kv), (ys, qs) = jax.lax.scan(step, (logits, kv), keys[:-1])
+    y_last, q_last = self._draw(keys[-1], logits, sampling)
+    ys = jnp.concatenate([ys, y_last[None]], axis=0).swapaxes(0, 1)  # [B, γ]
+    qs = jnp.concatenate([qs, q_last[None]], axis=0).swapaxes(0, 1)  # [B, γ, V]
+    return ys, qs, kv
+
+  def rollback(self, kv, n):
+    # Valid KV = the committed history (all but the pending token) ∩ what it computed.
+    return kv.rollback(jnp.minimum(kv.length, n - 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class NgramDrafter:
+  """Prompt lookup: continue the most recent earlier occurrence of the longest suffix.
+
+  Finds the latest position whose preceding max_n..min_n tokens equal the sequence's
+  last tokens and proposes what followed. Past the end of the sequence the match is
+  periodic, so the proposal wraps (a repeated phrase keeps repeating). With no match it
+  proposes the last token repeated: useless but harmless, since q is one-hot and the
+  rule stays exact. Token-only, no state, fully jittable.
+  """
+
+  vocab_size: int
+  gamma: int
+  min_n: int = 1
+  max_n: int = 4
+
+  def init(self, batch, size):
+    return ()
+
+  def prefill(self, params, state, tokens, n):
+    return state
+
+  def _propose_row(self, tokens, n):
+    size = tokens.shape[0]
+    starts = jnp.arange(size)  # candidate continuation start i; matched n-gram ends at i-1
+    ks = jnp.arange(1, self.max_n + 1)[:, None]
+    earlier = jnp.take(tokens, starts[None, :] - ks, mode="clip")
+    suffix = jnp.take(tokens, n - ks, mode="clip")
+    same = (earlier == suffix) & (starts[None, :] - ks >= 0) & (n - ks >= 0)
+    match_len = jnp.sum(jnp.cumprod(same.astype(jnp.int32), axis=0), axis=0)
+    ok = (starts < n) & (match_len >= self.min_n)
+    # Longest match first, then the most recent one.
+    best = jnp.argmax(jnp.where(ok, match_len * size + starts, -1))
+    best = jnp.where(ok[best], best, n - 1)
+    period = n - best
+    return jnp.take(tokens, best + jnp.arange(self.gamma) % period, mode="clip")
+
+  def propose(self, params, state, tokens, n, key, sampling):
+    y = jax.vmap(self._propose_row)(tokens, n).astype(jnp.int32)
+    return y, jax.nn.one_hot(y, self.vocab_size, dtype=jnp.float32), state
+
+  def rollback(self, state, n):
+    return state

@@ -1,0 +1,212 @@
+"""`specjax.generate`: checks its inputs on the host, then runs the jitted engine once."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import decode as decode_lib
+from specjax import drafters as drafters_lib
+from specjax.model import Model
+
+DRAFTERS = ("model", "ngram")
+DRAFT_SAMPLE_MODES = ("probabilistic", "greedy")
+
+
+@dataclasses.dataclass
+class GenerateResult:
+  tokens: list[list[int]]  # the new tokens of each prompt
+  stats: dict[str, Any]
+  texts: list[str] | None = None  # decoded new tokens, when the target has a tokenizer
+
+
+def _round_up(x: int, multiple: int) -> int:
+  return -(-x // multiple) * multiple
+
+
+def _per_row(name, value, batch, dtype):
+  arr = np.asarray(value, dtype=dtype)
+  if arr.ndim == 0:
+    arr = np.full((batch,), arr, dtype=dtype)
+  if arr.shape != (batch,):
+    raise ValueError(f"{name} must be a scalar or one value per prompt ({batch}), "
+                     f"got shape {arr.shape}")
+  return arr
+
+
+def _check_prompts(prompts, model: Model) -> list[list[int]]:
+  if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
+    raise ValueError("prompts must be a non-empty list of prompts (lists of token ids, "
+                     "or strings when the target has a tokenizer)")
+  vocab = model.config.vocab_size
+  out = []
+  for i, prompt in enumerate(prompts):
+    if isinstance(prompt, str):
+      if model.tokenizer is None:
+        raise ValueError(f"prompt {i} is a string but the target has no tokenizer")
+      prompt = model.tokenizer.encode(prompt)
+    prompt = [int(t) for t in prompt]
+    if not prompt:
+      raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+    bad = [t for t in prompt if not 0 <= t < vocab]
+    if bad:
+      raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+    out.append(prompt)
+  return out
+
+
+def make_drafter(target: Model, draft: Model | None, drafter: str | None, gamma: int,
+                 draft_sample: str, ngram_min: int, ngram_max: int):
+  """Validates the speculative settings and builds the static drafter object."""
+  if drafter is None:
+    drafter = "model" if draft is not None else None
+  if drafter is None:
+    return drafters_lib.NoDrafter(vocab_size=target.config.vocab_size)
+  if drafter not in DRAFTERS:
+    raise ValueError(f"drafter must be one of {DRAFTERS} (or None), got {drafter!r}")
+  if not isinstance(gamma, (int, np.integer)) or isinstance(gamma, bool) or gamma < 1:
+    raise ValueError(f"gamma (draft length) must be an int >= 1, got {gamma!r}")
+  if drafter == "ngram":
+    if not (isinstance(ngram_min, int) and isinstance(ngram_max, int)
+            and 1 <= ngram_min <= ngram_max):
+      raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {ngram_min}, {ngram_max}")
+    return drafters_lib.NgramDrafter(vocab_size=target.config.vocab_size, gamma=int(gamma),
+                                     min_n=ngram_min, max_n=ngram_max)
+  if draft is None:
+    raise ValueError("drafter='model' needs a draft model: pass draft=<Model>")
+  if draft.config.vocab_size != target.config.vocab_size:
+    raise ValueError(f"draft and target vocabularies differ: draft vocab_size="
+                     f"{draft.config.vocab_size}, target vocab_size={target.config.vocab_size}")
+  if draft_sample not in DRAFT_SAMPLE_MODES:
+    raise ValueError(f"draft_sample must be one of {DRAFT_SAMPLE_MODES}, got {draft_sample!r}")
+  return drafters_lib.ModelDrafter(config=draft.config, graphdef=draft.graphdef,
+                                   gamma=int(gamma), sample_mode=draft_sample)
+
+
+def summarize_stats(state: decode_lib.DecodeState, gamma: int) -> dict[str, Any]:
+  s = jax.device_get(state.stats)
+  total = lambda x: int(np.sum(x))
+  drafted, accepted, rounds = total(s.drafted), total(s.accepted), total(s.rounds)
+  committed = total(s.committed)
+  overlap_count = total(s.overlap_count)
+  target_calls = int(state.target_calls)
+  accepted_at = np.sum(s.accepted_at, axis=0)
+  return {
+      "gamma": gamma,
+      "rows": int(s.rounds.shape[0]),
+      "rounds": rounds,
+      "target_calls": target_calls,
+      "drafted": drafted,
+      "accepted": accepted,
+      "committed": committed,
+      "acceptance_rate": accepted / drafted if drafted else float("nan"),
+      "alpha_hat": float(np.sum(s.overlap_sum)) / overlap_count if overlap_count
+                   else float("nan"),
+      "tokens_per_round": committed / rounds if rounds else float("nan"),
+      "tokens_per_target_call": committed / target_calls if target_calls else float("nan"),
+      "accepted_at": [int(x) for x in accepted_at],
+      # P(position i accepted | the round reached it)
+      "acceptance_by_position": [float(a / r) if r else float("nan") for a, r in
+                                 zip(accepted_at, [rounds] + list(accepted_at[:-1]))],
+      "committed_hist": [int(x) for x in np.sum(s.committed_hist, axis=0)],
+  }
+
+
+def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p, eos_id,
+            draft=None, gamma=4, drafter=None, draft_sample="probabilistic",
+            ngram_min=1, ngram_max=4):
+  """Validates everything and returns the engine's static and traced arguments."""
+  prompts = _check_prompts(prompts, target)
+  batch = len(prompts)
+  if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+  longest = max(len(p) for p in prompts)
+  if longest + max_new_tokens > target.config.max_len:
+    raise ValueError(f"prompt length {longest} + max_new_tokens {max_new_tokens} exceeds the "
+                     f"target's context max_len={target.config.max_len}")
+  temperature = _per_row("temperature", temperature, batch, np.float32)
+  if not np.all(np.isfinite(temperature)) or np.any(temperature < 0):
+    raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature.tolist()}")
+  top_p = _per_row("top_p", top_p, batch, np.float32)
+  if not np.all((top_p > 0) & (top_p <= 1)):
+    raise ValueError(f"top_p must be in (0, 1], got {top_p.tolist()}")
+  top_k_arr = np.asarray(top_k)
+  if top_k_arr.dtype.kind not in "iu" or np.any(top_k_arr < 0):
+    raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
+  top_k = _per_row("top_k", top_k_arr, batch, np.int32)
+  eos = [] if eos_id is None else ([eos_id] if np.ndim(eos_id) == 0 else list(eos_id))
+  for e in eos:
+    if not 0 <= int(e) < target.config.vocab_size:
+      raise ValueError(f"eos_id {e} is outside the vocabulary [0, {target.config.vocab_size})")
+  drafter_obj = make_drafter(target, draft, drafter, gamma, draft_sample, ngram_min, ngram_max)
+  if isinstance(drafter_obj, drafters_lib.ModelDrafter):
+    if draft.config.max_len < longest + max_new_tokens:
+      raise ValueError(f"prompt length {longest} + max_new_tokens {max_new_tokens} exceeds the "
+                       f"draft's context max_len={draft.config.max_len}")
+
+  # Bucketed shapes: nearby prompt lengths and budgets reuse one compiled engine.
+  prompt_width = _round_up(longest, 16)
+  cache_size = _round_up(prompt_width + max_new_tokens + drafter_obj.gamma + 2, 64)
+  tokens = np.zeros((batch, cache_size), np.int32)
+  for i, p in enumerate(prompts):
+    tokens[i, :len(p)] = p
+  sampling = decode_lib.Sampling(
+      temperature=jnp.asarray(temperature), top_k=jnp.asarray(top_k),
+      top_p=jnp.asarray(top_p),
+      max_new=jnp.full((batch,), max_new_tokens, jnp.int32),
+      eos_ids=jnp.asarray(np.array(eos + [-1], np.int32)))
+  return dict(drafter=drafter_obj, prompt_width=prompt_width, cache_size=cache_size,
+              tokens=jnp.asarray(tokens),
+              prompt_len=jnp.asarray([len(p) for p in prompts], jnp.int32),
+              sampling=sampling, draft_params=None if draft is None or drafter == "ngram"
+              else draft.params)
+
+
+def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.0, top_k=0,
+             top_p=1.0, seed: int = 0, eos_id=None, draft: Model | None = None,
+             gamma: int = 4, drafter: str | None = None,
+             draft_sample: str = "probabilistic", ngram_min: int = 1,
+             ngram_max: int = 4) -> GenerateResult:
+  """Generates up to `max_new_tokens` new tokens for each prompt.
+
+  With no `draft` and `drafter=None` this is plain autoregressive decoding. With a draft
+  model (or `drafter='ngram'`) it is lossless speculative decoding with draft length
+  `gamma`: at any temperature the output follows the target's distribution, and at
+  temperature 0 it equals the target's greedy output.
+
+  Args:
+    target: the model whose distribution the output follows.
+    prompts: list of prompts, each a list of token ids (or a string when the target has a
+      tokenizer). Prompts may differ in length.
+    max_new_tokens: budget of new tokens per prompt.
+    temperature, top_k, top_p: logits processing, applied identically to target and
+      draft; scalars or one value per prompt. temperature 0 is exact greedy.
+    seed: PRNG seed; rows draw independent random numbers from it.
+    eos_id: an id (or list of ids) that ends a row; it is emitted, nothing after it.
+    draft: the draft model (same vocabulary as the target).
+    gamma: draft tokens proposed per round.
+    drafter: 'model', 'ngram' (prompt lookup, no draft model) or None (infer).
+    draft_sample: 'probabilistic' (sample from q) or 'greedy' (argmax, one-hot q).
+    ngram_min, ngram_max: suffix lengths the n-gram drafter tries.
+  """
+  args = prepare(target, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                 top_k=top_k, top_p=top_p, eos_id=eos_id, draft=draft, gamma=gamma,
+                 drafter=drafter, draft_sample=draft_sample, ngram_min=ngram_min,
+                 ngram_max=ngram_max)
+  state = decode_lib.decode(
+      target.config, target.graphdef, args["drafter"], args["prompt_width"],
+      args["cache_size"], target.params, args["draft_params"], args["tokens"],
+      args["prompt_len"], args["sampling"], jax.random.PRNGKey(seed))
+  tokens, n, prompt_len = jax.device_get((state.tokens, state.n, state.prompt_len))
+  new = [tokens[i, prompt_len[i]:n[i]].tolist() for i in range(len(n))]
+  texts = None
+  if target.tokenizer is not None:
+    texts = [target.tokenizer.decode(t) for t in new]
+  return GenerateResult(tokens=new, stats=summarize_stats(state, args["drafter"].gamma),
+                        texts=texts)

@@ -1,0 +1,70 @@
+"""Verification rules for one sequence; the engine `vmap`s them over the batch.
+
+The rule (Leviathan et al. 2023; Chen et al. 2023): draft token y_i ~ q_i is accepted
+with probability min(1, p_i(y_i) / q_i(y_i)); at the first rejection a token is drawn
+from the normalised residual [p_i - q_i]_+ and the round stops; if all γ pass, a bonus
+token is drawn from p_{γ+1}. The accept path contributes min(p, q) and the reject path
+[p - q]_+, which sum to p: the output follows the target exactly.
+
+Greedy needs no separate code: at temperature 0 `process_logits` makes p the one-hot of
+the target's argmax, so y is accepted iff it is that argmax, and the residual (and the
+bonus) is that argmax. Token-only drafters pass q = one-hot(y), which gives acceptance
+p(y) and the residual "p without y, renormalised".
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from specjax.sampling import sample
+
+
+def acceptance_prob(p: jax.Array, q: jax.Array, y: jax.Array) -> jax.Array:
+  """min(1, p(y) / q(y)) for the last axis; 1 where q(y) = 0 < p(y), 0 where p(y) = 0."""
+  py = jnp.take_along_axis(p, y[..., None], axis=-1)[..., 0]
+  qy = jnp.take_along_axis(q, y[..., None], axis=-1)[..., 0]
+  return jnp.where(py >= qy, 1.0, py / jnp.where(qy > 0, qy, 1.0))
+
+
+def residual(p: jax.Array, q: jax.Array) -> jax.Array:
+  """normalise([p - q]_+) along the last axis.
+
+  Its mass is the rejection probability, so it is only sampled when that is positive;
+  where rounding leaves no mass (p == q) it falls back to p, which is then the same law.
+  """
+  r = jnp.maximum(p - q, 0.0)
+  mass = jnp.sum(r, axis=-1, keepdims=True)
+  return jnp.where(mass > 0, r / jnp.where(mass > 0, mass, 1.0), p)
+
+
+def verify(key: jax.Array, draft_tokens: jax.Array, q: jax.Array, p: jax.Array):
+  """Speculative sampling for one sequence.
+
+  Args:
+    key: PRNG key for this row and round.
+    draft_tokens: int[γ] proposed tokens y_1..y_γ.
+    q: [γ, V] the distributions the draft tokens were drawn from.
+    p: [γ+1, V] the target's distributions at the same positions, plus one.
+
+  Returns:
+    n_accepted: int32 in [0, γ], the accepted prefix length.
+    next_token: int32, the correction (n_accepted < γ) or bonus token.
+    overlap: [γ] Σ_x min(p_i, q_i), the acceptance probability at each position.
+  """
+  gamma, vocab = q.shape
+  key_accept, key_next = jax.random.split(key)
+  u = jax.random.uniform(key_accept, (gamma,))
+  idx = jnp.arange(gamma)
+  py, qy = p[idx, draft_tokens], q[idx, draft_tokens]
+  accepted = u * qy < py  # u < p/q without a division; q(y) = 0 < p(y) accepts
+  n_accepted = jnp.sum(jnp.cumprod(accepted.astype(jnp.int32))).astype(jnp.int32)
+  # Row γ of the padded q is zero, so the "residual" there is p_{γ+1}: the bonus.
+  q_pad = jnp.concatenate([q, jnp.zeros((1, vocab), q.dtype)], axis=0)
+  next_dist = residual(p[n_accepted], q_pad[n_accepted])
+  next_token = sample(key_next, next_dist)
+  overlap = jnp.sum(jnp.minimum(p[:gamma], q), axis=-1)
+  return n_accepted, next_token, overlap
+
+
+verify_batch = jax.vmap(verify)

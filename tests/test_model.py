@@ -1,0 +1,116 @@
+"""The cached forward is the full forward, however it is fed and rolled back."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl.testing import parameterized
+
+import specjax
+from specjax import kv_cache
+from specjax import model as model_lib
+from conftest import tiny_model
+
+CONFIGS = {
+    "gpt2": dict(vocab=16, d_model=32, n_layers=2, n_heads=4),
+    "llama_gqa": dict(vocab=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, llama=True),
+}
+
+
+def _feed(model, tokens, kv, chunks):
+  fn = jax.jit(model_lib.forward_cached, static_argnums=0)
+  outs, start = [], 0
+  for size in chunks:
+    logits, kv = fn(model.graphdef, model.params, tokens[:, start:start + size], kv)
+    outs.append(logits)
+    start += size
+  return jnp.concatenate(outs, axis=1), kv
+
+
+class CachedForwardTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      [(f"{name}_{'_'.join(map(str, chunks))}", name, chunks)
+       for name in CONFIGS for chunks in [(20,), (1,) * 20, (3, 1, 7, 2, 7), (5, 5, 5, 5)]])
+  def test_chunks_equal_full_forward(self, name, chunks):
+    model = tiny_model(**CONFIGS[name])
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (3, 20), 0, 16)
+    full = model.logits(tokens)
+    kv = kv_cache.init_kv(model.config, 3, 32)
+    cached, kv = _feed(model, tokens, kv, chunks)
+    chex.assert_shape(cached, (3, 20, 16))
+    chex.assert_trees_all_close(cached, full, atol=2e-5, rtol=2e-5)
+    np.testing.assert_array_equal(kv.length, [20, 20, 20])
+
+  @parameterized.named_parameters(("gpt2", "gpt2"), ("llama_gqa", "llama_gqa"))
+  def test_rows_at_different_lengths(self, name):
+    model = tiny_model(**CONFIGS[name])
+    tokens = jax.random.randint(jax.random.PRNGKey(2), (3, 24), 0, 16)
+    full = model.logits(tokens)
+    # Row b has seen lens[b] tokens; feeding the next 4 must give the full-forward logits.
+    lens = np.array([3, 11, 17])
+    kv = kv_cache.init_kv(model.config, 3, 32)
+    _, kv = model_lib.forward_cached(model.graphdef, model.params, tokens[:, :20], kv)
+    kv = kv.rollback(lens)
+    chunk = jnp.stack([tokens[b, lens[b]:lens[b] + 4] for b in range(3)])
+    logits, kv = model_lib.forward_cached(model.graphdef, model.params, chunk, kv)
+    want = jnp.stack([full[b, lens[b]:lens[b] + 4] for b in range(3)])
+    chex.assert_trees_all_close(logits, want, atol=2e-5, rtol=2e-5)
+    np.testing.assert_array_equal(kv.length, lens + 4)
+
+  @parameterized.named_parameters(("nan", np.nan), ("huge", 1e30))
+  def test_rollback_over_poisoned_slots(self, poison):
+    model = tiny_model(**CONFIGS["llama_gqa"])
+    tokens = jax.random.randint(jax.random.PRNGKey(3), (2, 16), 0, 16)
+    other = jax.random.randint(jax.random.PRNGKey(4), (2, 6), 0, 16)
+    full = model.logits(tokens)
+    kv = kv_cache.init_kv(model.config, 2, 32)
+    _, kv = model_lib.forward_cached(model.graphdef, model.params, tokens[:, :10], kv)
+    # A rejected draft: 6 wrong tokens go in, then the cache is rolled back to 10 and
+    # every slot past the valid length is poisoned.
+    _, kv = model_lib.forward_cached(model.graphdef, model.params, other, kv)
+    kv = kv.rollback(jnp.array([10, 10]))
+    slot = jnp.arange(kv.size)[None, :, None, None]
+    poison_fn = lambda buf: jnp.where(slot >= 10, poison, buf)
+    kv = kv.replace(k=tuple(map(poison_fn, kv.k)), v=tuple(map(poison_fn, kv.v)))
+    logits, _ = model_lib.forward_cached(model.graphdef, model.params, tokens[:, 10:], kv)
+    self.assertTrue(bool(jnp.all(jnp.isfinite(logits))))
+    chex.assert_trees_all_close(logits, full[:, 10:], atol=2e-5, rtol=2e-5)
+
+  def test_writes_past_the_buffer_are_dropped(self):
+    buf = jnp.zeros((2, 4), jnp.int32)
+    out = kv_cache.write(buf, jnp.array([[1, 2, 3], [4, 5, 6]]), jnp.array([0, 2]))
+    np.testing.assert_array_equal(out, [[1, 2, 3, 0], [0, 0, 4, 5]])
+
+
+class ConfigTest(parameterized.TestCase):
+
+  def test_public_api(self):
+    cfg = specjax.ModelConfig(vocab_size=8, d_model=32, n_layers=1, n_heads=2, max_len=64)
+    model = specjax.init_model(cfg, seed=0)
+    logits = model.logits(jnp.zeros((2, 5), jnp.int32))
+    chex.assert_shape(logits, (2, 5, 8))
+    self.assertEqual(logits.dtype, jnp.float32)
+    self.assertGreater(model.num_params, 0)
+
+  @parameterized.named_parameters(
+      ("heads", dict(d_model=30, n_heads=4)),
+      ("kv_heads", dict(n_heads=4, n_kv_heads=3)),
+      ("norm", dict(norm="batchnorm")),
+      ("zero_layers", dict(n_layers=0)))
+  def test_bad_config(self, kw):
+    base = dict(vocab_size=8, d_model=32, n_layers=1, n_heads=2, max_len=64)
+    base.update(kw)
+    with self.assertRaises(ValueError):
+      specjax.ModelConfig(**base)
+
+  def test_same_seed_same_weights(self):
+    cfg = specjax.ModelConfig(vocab_size=8, d_model=16, n_layers=1, n_heads=2, max_len=16)
+    chex.assert_trees_all_equal(specjax.init_model(cfg, 3).params,
+                                specjax.init_model(cfg, 3).params)
+
+  def test_logits_rejects_too_long(self):
+    model = tiny_model(max_len=8)
+    with self.assertRaisesRegex(ValueError, "max_len"):
+      model.logits(jnp.zeros((1, 9), jnp.int32))

@@ -1,0 +1,77 @@
+"""Logits processing: the distribution that is actually sampled from."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import parameterized
+
+from specjax.sampling import process_logits, sample
+
+LOGITS = jnp.log(jnp.array([0.05, 0.4, 0.1, 0.3, 0.15]))
+
+
+class ProcessLogitsTest(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_plain_softmax_and_temperature(self):
+    fn = self.variant(process_logits)
+    np.testing.assert_allclose(fn(LOGITS, 1.0, 0, 1.0), jax.nn.softmax(LOGITS), atol=1e-6)
+    np.testing.assert_allclose(fn(LOGITS, 0.5, 0, 1.0), jax.nn.softmax(LOGITS / 0.5), atol=1e-6)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_greedy_is_exact_argmax(self):
+    probs = self.variant(process_logits)(LOGITS, 0.0, 0, 1.0)
+    np.testing.assert_array_equal(probs, [0, 1, 0, 0, 0])
+    # Ties go to the first maximum, as argmax does.
+    tied = self.variant(process_logits)(jnp.array([1.0, 3.0, 3.0]), 0.0, 0, 1.0)
+    np.testing.assert_array_equal(tied, [0, 1, 0])
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_top_k_support(self):
+    probs = self.variant(process_logits)(LOGITS, 1.0, 2, 1.0)
+    np.testing.assert_allclose(probs, np.array([0, 0.4, 0, 0.3, 0]) / 0.7, atol=1e-6)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_top_p_support(self):
+    fn = self.variant(process_logits)
+    # Sorted: 0.4, 0.3, 0.15, 0.1, 0.05. p = 0.7 is reached by {0.4, 0.3}; 0.71 needs 0.15.
+    np.testing.assert_allclose(fn(LOGITS, 1.0, 0, 0.7), np.array([0, 0.4, 0, 0.3, 0]) / 0.7,
+                               atol=1e-6)
+    np.testing.assert_allclose(fn(LOGITS, 1.0, 0, 0.71),
+                               np.array([0, 0.4, 0, 0.3, 0.15]) / 0.85, atol=1e-6)
+    # The top token always survives.
+    np.testing.assert_allclose(fn(LOGITS, 1.0, 0, 0.01), [0, 1, 0, 0, 0], atol=1e-6)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_top_k_then_top_p(self):
+    # top-k 3 leaves {0.4, 0.3, 0.15} / 0.85 = {.471, .353, .176}: top-p 0.8 of that is
+    # reached by the first two, 0.83 needs all three.
+    fn = self.variant(process_logits)
+    np.testing.assert_allclose(fn(LOGITS, 1.0, 3, 0.8), np.array([0, 0.4, 0, 0.3, 0]) / 0.7,
+                               atol=1e-6)
+    np.testing.assert_allclose(fn(LOGITS, 1.0, 3, 0.83),
+                               np.array([0, 0.4, 0, 0.3, 0.15]) / 0.85, atol=1e-6)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_per_row_parameters_and_normalisation(self):
+    logits = jax.random.normal(jax.random.PRNGKey(0), (4, 3, 50)) * 3
+    temperature = jnp.array([0.0, 0.7, 1.0, 2.0])
+    top_k = jnp.array([0, 5, 0, 10])
+    top_p = jnp.array([1.0, 1.0, 0.9, 0.5])
+    probs = self.variant(process_logits)(logits, temperature, top_k, top_p)
+    chex.assert_shape(probs, (4, 3, 50))
+    np.testing.assert_allclose(probs.sum(-1), 1.0, atol=1e-5)
+    support = np.asarray(probs > 0).sum(-1)
+    np.testing.assert_array_equal(support[0], [1, 1, 1])
+    self.assertTrue(np.all(support[1] == 5))
+    self.assertTrue(np.all(support[3] <= 10))
+    # Each row equals the same row processed alone.
+    for b in range(4):
+      alone = process_logits(logits[b], temperature[b], top_k[b], top_p[b])
+      np.testing.assert_allclose(probs[b], alone, atol=1e-6)
+
+  def test_sample_never_draws_zero_probability(self):
+    probs = jnp.array([0.0, 0.5, 0.0, 0.5])
+    draws = sample(jax.random.PRNGKey(0), jnp.broadcast_to(probs, (10000, 4)))
+    self.assertEqual(set(np.unique(draws).tolist()), {1, 3})
