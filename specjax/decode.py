@@ -102,9 +102,11 @@ def decode_round(target_graphdef, drafter, max_len, target_params, draft_params,
   row_keys = jax.vmap(jax.random.fold_in, (None, 0))(verify_key, jnp.arange(batch))
   n_accepted, next_token, overlap = verify_batch(row_keys, ys, qs, ps)
 
-  new = jnp.concatenate([ys, next_token[:, None]], axis=1)  # [B, γ+1]
-  count, stop = _commit_length(new, n_accepted, state, sampling, max_len)
+  # The accepted prefix y_1..y_a, then the correction/bonus token at index a.
   idx = jnp.arange(gamma + 1)[None, :]
+  padded = jnp.concatenate([ys, next_token[:, None]], axis=1)
+  new = jnp.where(idx == n_accepted[:, None], next_token[:, None], padded)  # [B, γ+1]
+  count, stop = _commit_length(new, n_accepted, state, sampling, max_len)
   old = jnp.take_along_axis(state.tokens, state.n[:, None] + idx, axis=1, mode="clip")
   tokens = kv_cache.write(state.tokens, jnp.where(idx < count[:, None], new, old), state.n)
   n = state.n + count

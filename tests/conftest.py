@@ -3,6 +3,9 @@
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Tests run tiny models where XLA's compile time dwarfs run time; skipping backend
+# optimisation halves compile time. Benchmarks never run under this flag.
+os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -1,0 +1,117 @@
+"""Model checkpoints: bit-exact round trips and clear errors for broken files."""
+
+import json
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import checkpoint
+from specjax.config import ModelConfig
+from specjax.model import init_model
+from specjax.tokenizer import Tokenizer
+
+CONFIGS = {
+    "gpt2": ModelConfig(vocab_size=50, d_model=16, n_layers=2, n_heads=2, max_len=32),
+    "llama": ModelConfig.llama(vocab_size=50, d_model=16, n_layers=2, n_heads=4,
+                               n_kv_heads=2, max_len=32),
+}
+
+
+def _assert_bit_equal(a, b):
+  chex.assert_trees_all_equal_structs(a, b)
+  jax.tree_util.tree_map(
+      lambda x, y: np.testing.assert_array_equal(
+          np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8)), a, b)
+  chex.assert_trees_all_equal_dtypes(a, b)
+
+
+@pytest.mark.parametrize("style", sorted(CONFIGS))
+def test_round_trip_is_bit_exact(style, tmp_path):
+  model = init_model(CONFIGS[style], seed=3)
+  checkpoint.save_model(tmp_path / "m", model.config, model.params, metadata={"note": "x"})
+  assert checkpoint.is_checkpoint(tmp_path / "m")
+  cfg, params = checkpoint.load_params(tmp_path / "m")
+  assert cfg == model.config
+  _assert_bit_equal(params, model.params)
+  loaded = checkpoint.load_model(tmp_path / "m")
+  assert loaded.tokenizer is None and loaded.num_params == model.num_params
+  tokens = jnp.arange(12, dtype=jnp.int32).reshape(2, 6)
+  np.testing.assert_array_equal(loaded.logits(tokens), model.logits(tokens))
+  manifest = checkpoint.read_manifest(tmp_path / "m")
+  assert manifest["metadata"] == {"note": "x"} and manifest["num_params"] == model.num_params
+
+
+def test_bfloat16_storage_round_trips_its_bits(tmp_path):
+  model = init_model(CONFIGS["llama"], seed=0)
+  checkpoint.save_model(tmp_path, model.config, model.params, dtype=jnp.bfloat16)
+  as_bf16 = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), model.params)
+  _, stored = checkpoint.load_params(tmp_path)  # as stored
+  _assert_bit_equal(stored, as_bf16)
+  _, widened = checkpoint.load_params(tmp_path, dtype=jnp.float32)
+  _assert_bit_equal(widened, jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), as_bf16))
+  checkpoint.save_model(tmp_path / "f32", model.config, model.params)
+  assert (tmp_path / "params.npz").stat().st_size < (tmp_path / "f32" / "params.npz").stat().st_size
+
+
+def test_tokenizer_travels_with_the_model(tmp_path):
+  tok = Tokenizer.train(["def f(x):\n    return x + 1\n"] * 20, vocab_size=300)
+  model = init_model(ModelConfig(vocab_size=300, d_model=8, n_layers=1, n_heads=1,
+                                 max_len=16), seed=0)
+  checkpoint.save_model(tmp_path, model.config, model.params, tokenizer=tok)
+  loaded = checkpoint.load_model(tmp_path)
+  assert loaded.tokenizer.encode("return x") == tok.encode("return x")
+  assert loaded.tokenizer.eos_id == tok.eos_id
+
+
+@pytest.fixture
+def saved(tmp_path):
+  model = init_model(CONFIGS["gpt2"], seed=0)
+  return checkpoint.save_model(tmp_path / "ckpt", model.config, model.params)
+
+
+def test_missing_checkpoint_names_the_path(tmp_path):
+  missing = tmp_path / "nowhere"
+  with pytest.raises(checkpoint.CheckpointError, match="not found.*nowhere"):
+    checkpoint.load_model(missing)
+  assert issubclass(checkpoint.CheckpointError, ValueError)
+
+
+def test_truncated_params_names_the_file(saved):
+  params_file = saved / "params.npz"
+  blob = params_file.read_bytes()
+  params_file.write_bytes(blob[: len(blob) // 2])
+  with pytest.raises(checkpoint.CheckpointError, match=r"params\.npz.*truncated or corrupt"):
+    checkpoint.load_model(saved)
+
+
+def test_flipped_byte_is_caught(saved):
+  params_file = saved / "params.npz"
+  blob = bytearray(params_file.read_bytes())
+  blob[len(blob) // 2] ^= 0xFF
+  params_file.write_bytes(bytes(blob))
+  with pytest.raises(checkpoint.CheckpointError, match="ckpt"):
+    checkpoint.load_params(saved)
+
+
+def test_missing_files_and_bad_manifest(saved):
+  (saved / "params.npz").unlink()
+  with pytest.raises(checkpoint.CheckpointError, match="missing params.npz"):
+    checkpoint.load_model(saved)
+  (saved / "model.json").write_text("{ not json")
+  with pytest.raises(checkpoint.CheckpointError, match="model.json.*unreadable"):
+    checkpoint.load_model(saved)
+  (saved / "model.json").unlink()
+  with pytest.raises(checkpoint.CheckpointError, match="no model.json"):
+    checkpoint.load_model(saved)
+  assert not checkpoint.is_checkpoint(saved)
+
+
+def test_params_that_do_not_fit_the_config(saved):
+  manifest = json.loads((saved / "model.json").read_text())
+  manifest["config"]["n_layers"] = 3
+  (saved / "model.json").write_text(json.dumps(manifest))
+  with pytest.raises(checkpoint.CheckpointError, match="does not match its config"):
+    checkpoint.load_model(saved)

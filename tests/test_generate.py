@@ -1,0 +1,112 @@
+"""Autoregressive `specjax.generate`: greedy oracle, stops, one compile per sweep, bad input."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl.testing import parameterized
+
+import specjax
+from specjax import decode as decode_lib
+from conftest import tiny_model
+
+
+def greedy_oracle(model, prompt, steps):
+  """Repeated argmax of the uncached full forward.
+
+  The sequence is zero-padded to a fixed width (causal attention never looks right), so
+  one compiled forward serves every step.
+  """
+  seq = list(prompt)
+  width = len(prompt) + steps
+  for _ in range(steps):
+    padded = jnp.array([seq + [0] * (width - len(seq))])
+    seq.append(int(jnp.argmax(model.logits(padded)[0, len(seq) - 1])))
+  return seq[len(prompt):]
+
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 0, 1, 2, 3, 4], [7]]
+
+
+class AutoregressiveTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(("gpt2", {}), ("llama", dict(llama=True, n_heads=4,
+                                                               n_kv_heads=2)))
+  def test_greedy_equals_repeated_argmax(self, kw):
+    model = tiny_model(vocab=16, n_layers=2, seed=3, **kw)
+    res = specjax.generate(model, PROMPTS, max_new_tokens=12, temperature=0.0)
+    for prompt, out in zip(PROMPTS, res.tokens):
+      self.assertEqual(out, greedy_oracle(model, prompt, 12))
+    self.assertEqual(res.stats["committed"], 36)
+    self.assertEqual(res.stats["target_calls"], 12)
+
+  def test_eos_stops_a_row_and_is_emitted(self):
+    model = tiny_model(vocab=16, n_layers=2, seed=3)
+    full = specjax.generate(model, PROMPTS, max_new_tokens=12).tokens
+    eos = full[1][4]
+    res = specjax.generate(model, PROMPTS, max_new_tokens=12, eos_id=eos)
+    for want, got in zip(full, res.tokens):
+      cut = want.index(eos) + 1 if eos in want else len(want)
+      self.assertEqual(got, want[:cut])
+
+  def test_sampling_is_seeded_and_rows_are_independent(self):
+    model = tiny_model(vocab=16, n_layers=1, seed=4)
+    kw = dict(max_new_tokens=10, temperature=1.0)
+    a = specjax.generate(model, [[1, 2]] * 6, seed=7, **kw).tokens
+    b = specjax.generate(model, [[1, 2]] * 6, seed=7, **kw).tokens
+    c = specjax.generate(model, [[1, 2]] * 6, seed=8, **kw).tokens
+    self.assertEqual(a, b)
+    self.assertNotEqual(a, c)
+    self.assertGreater(len({tuple(x) for x in a}), 1)  # identical prompts, different samples
+
+  def test_sweep_compiles_once(self):
+    model = tiny_model(vocab=16, n_layers=1, seed=5)
+    traced = []
+    original = decode_lib.run_loop
+
+    def counting(*args, **kwargs):
+      traced.append(1)
+      return original(*args, **kwargs)
+
+    decode_lib.run_loop = chex.assert_max_traces(counting, n=1)
+    try:
+      for temperature in (0.0, 0.5, 1.0, 1.5):
+        for top_p in (1.0, 0.9, 0.5):
+          # max_new_tokens=23 gives shapes no other test uses, so the first call traces.
+          specjax.generate(model, [[1, 2, 3]], max_new_tokens=23, temperature=temperature,
+                           top_p=top_p, top_k=3 if top_p < 1 else 0, seed=1)
+    finally:
+      decode_lib.run_loop = original
+    self.assertEqual(len(traced), 1)
+
+  def test_texts_need_a_tokenizer(self):
+    model = tiny_model(vocab=16)
+    with self.assertRaisesRegex(ValueError, "tokenizer"):
+      specjax.generate(model, ["hello"])
+
+
+class BadInputTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("no_prompts", dict(prompts=[]), "non-empty"),
+      ("empty_prompt", dict(prompts=[[1], []]), "empty"),
+      ("too_long", dict(prompts=[[1] * 60], max_new_tokens=5), "max_len"),
+      ("token_high", dict(prompts=[[1, 16]]), "vocabulary"),
+      ("token_negative", dict(prompts=[[-1]]), "vocabulary"),
+      ("temperature", dict(temperature=-0.1), "temperature"),
+      ("top_p_zero", dict(top_p=0.0), "top_p"),
+      ("top_p_high", dict(top_p=1.5), "top_p"),
+      ("top_k", dict(top_k=-1), "top_k"),
+      ("top_k_float", dict(top_k=2.5), "top_k"),
+      ("max_new", dict(max_new_tokens=0), "max_new_tokens"),
+      ("eos", dict(eos_id=99), "eos_id"),
+      ("per_row_shape", dict(temperature=[1.0, 0.5]), "one value per prompt"),
+  )
+  def test_raises_before_any_work(self, kwargs, message):
+    model = tiny_model(vocab=16, max_len=64)
+    args = dict(prompts=[[1, 2]], max_new_tokens=4)
+    args.update(kwargs)
+    prompts = args.pop("prompts")
+    with self.assertRaisesRegex(ValueError, message):
+      specjax.generate(model, prompts, **args)

@@ -1,0 +1,276 @@
+"""Speculative decoding end to end: lossless at every temperature, exact when greedy."""
+
+import itertools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import parameterized
+
+import specjax
+from specjax import decode as decode_lib
+from specjax import drafters
+from specjax.generate import prepare
+from conftest import tiny_model
+from test_generate import PROMPTS, greedy_oracle
+
+
+def target_and_draft():
+  return (tiny_model(vocab=8, n_layers=2, seed=0),
+          tiny_model(vocab=8, d_model=16, n_layers=1, seed=1))
+
+
+def exact_continuations(model, prompt, length):
+  """P(x_1..x_L | prompt) for every continuation, by teacher forcing (float64)."""
+  vocab = model.config.vocab_size
+  conts = np.array(list(itertools.product(range(vocab), repeat=length)), np.int32)
+  seqs = np.concatenate([np.tile(prompt, (len(conts), 1)), conts], axis=1)
+  logp = np.asarray(jax.nn.log_softmax(model.logits(jnp.asarray(seqs)).astype(jnp.float32)),
+                    np.float64)
+  start = len(prompt) - 1
+  steps = [logp[np.arange(len(conts)), start + i, conts[:, i]] for i in range(length)]
+  return conts, np.exp(np.sum(steps, axis=0))
+
+
+class DistributionTest(parameterized.TestCase):
+  """The empirical law of 3-token continuations equals the target's exact law."""
+
+  @parameterized.named_parameters(
+      ("model_probabilistic_g3", dict(gamma=3, draft_sample="probabilistic"), 1.0),
+      ("model_greedy_draft_g2_hot", dict(gamma=2, draft_sample="greedy"), 1.5),
+      ("ngram_g3", dict(gamma=3, drafter="ngram"), 1.0))
+  def test_three_token_law(self, spec, temperature):
+    target, draft = target_and_draft()
+    prompt, length, rows = [3, 1, 3], 3, 20000
+    law_of = target if temperature == 1.0 else _tempered(target, temperature)
+    conts, probs = exact_continuations(law_of, prompt, length)
+    res = specjax.generate(target, [prompt] * rows, max_new_tokens=length,
+                           temperature=temperature, seed=11,
+                           draft=None if spec.get("drafter") == "ngram" else draft, **spec)
+    outs = np.array(res.tokens)
+    index = np.ravel_multi_index(outs.T, (8,) * length)
+    counts = np.bincount(index, minlength=8 ** length)
+    sd = np.sqrt(rows * probs * (1 - probs))
+    worst = np.max(np.abs(counts - rows * probs) / (sd + 1e-12))
+    # 512 cells: 5 sd each keeps the family-wise false alarm rate below 1e-3.
+    self.assertTrue(np.all(np.abs(counts - rows * probs) <= 5 * sd + 1), f"worst z={worst}")
+    self.assertLess(res.stats["acceptance_rate"], 0.95)  # the draft really disagreed
+    self.assertGreater(res.stats["rounds"], rows)  # and rounds were rolled back
+
+
+def _tempered(model, temperature):
+  """The same model with logits divided by the temperature (the final norm's scale)."""
+
+  class Tempered:
+    config = model.config
+
+    def logits(self, tokens):
+      return model.logits(tokens) / temperature
+
+  return Tempered()
+
+
+class GreedyTest(parameterized.TestCase):
+
+  @parameterized.parameters(("model", 1), ("model", 3), ("model", 5), ("ngram", 1),
+                            ("ngram", 3), ("ngram", 5), ("model_greedy", 3))
+  def test_equals_target_greedy(self, drafter, gamma):
+    target = tiny_model(vocab=16, n_layers=2, seed=3)
+    draft = tiny_model(vocab=16, d_model=16, n_layers=1, seed=4)
+    kw = dict(drafter="ngram") if drafter == "ngram" else dict(
+        draft=draft, draft_sample="greedy" if drafter == "model_greedy" else "probabilistic")
+    res = specjax.generate(target, PROMPTS, max_new_tokens=12, gamma=gamma, **kw)
+    for prompt, out in zip(PROMPTS, res.tokens):
+      self.assertEqual(out, greedy_oracle(target, prompt, 12))
+    s = res.stats
+    self.assertLessEqual(s["accepted"], s["drafted"])
+    self.assertEqual(s["drafted"], gamma * s["rounds"])
+    self.assertEqual(sum(s["committed_hist"]), s["rounds"])
+
+  def test_identical_draft_accepts_everything(self):
+    target = tiny_model(vocab=16, n_layers=2, seed=3)
+    gamma = 3
+    res = specjax.generate(target, PROMPTS, max_new_tokens=16, draft=target, gamma=gamma,
+                           temperature=1.0, seed=2)
+    s = res.stats
+    self.assertEqual(s["accepted"], s["drafted"])
+    self.assertAlmostEqual(s["alpha_hat"], 1.0, places=5)
+    # 16 = 4 + 4 + 4 + 4: every round commits γ+1 tokens.
+    self.assertEqual(s["committed_hist"], [0, 0, 0, 0, 4 * len(PROMPTS)])
+    self.assertEqual(s["target_calls"], 4)
+
+
+def _one_round_setup(target, draft, prompts, gamma, temperature, seed=0, max_new=20):
+  args = prepare(target, prompts, max_new_tokens=max_new, temperature=temperature, top_k=0,
+                 top_p=1.0, eos_id=None, draft=draft, gamma=gamma)
+  state = decode_lib.prefill(target.config, target.graphdef, args["drafter"], target.params,
+                             draft.params, args["tokens"], args["prompt_len"],
+                             args["prompt_width"], args["cache_size"], jax.random.PRNGKey(seed))
+  step = jax.jit(lambda s: decode_lib.decode_round(
+      target.graphdef, args["drafter"], target.config.max_len, target.params, draft.params,
+      s, args["sampling"]))
+  return state, step, args
+
+
+class RollbackTest(parameterized.TestCase):
+
+  def test_lengths_follow_the_committed_history(self):
+    target, draft = target_and_draft()
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 0, 1, 2], [3]] * 4
+    gamma = 3
+    state, step, _ = _one_round_setup(target, draft, prompts, gamma, 1.0)
+    n0 = np.array(state.n)
+    np.testing.assert_array_equal(state.target_kv.length, n0 - 1)
+    np.testing.assert_array_equal(state.draft_state.length, n0 - 1)
+    saw_reject = saw_full = False
+    for _ in range(4):
+      before = np.array(state.n)
+      state = step(state)
+      n = np.array(state.n)
+      committed = n - before
+      np.testing.assert_array_equal(state.target_kv.length, n - 1)
+      full = committed == gamma + 1
+      # After a rejection the draft is rolled back to the committed history too; after a
+      # fully accepted round it never saw y_γ and is one behind.
+      np.testing.assert_array_equal(state.draft_state.length, np.where(full, n - 2, n - 1))
+      saw_reject |= bool(np.any(~full))
+      saw_full |= bool(np.any(full))
+    self.assertTrue(saw_reject and saw_full)
+
+  def test_poisoned_stale_slots_change_nothing(self):
+    target, draft = target_and_draft()
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 0, 1, 2]]
+    state, step, args = _one_round_setup(target, draft, prompts, 3, 1.0, seed=5)
+    state = step(step(state))
+
+    def poison(kv):
+      slot = jnp.arange(kv.size)[None, :, None, None]
+      stale = slot >= kv.length[:, None, None, None]
+      bad = lambda buf: jnp.where(stale, jnp.nan, buf)
+      return kv.replace(k=tuple(map(bad, kv.k)), v=tuple(map(bad, kv.v)))
+
+    poisoned = state.replace(target_kv=poison(state.target_kv),
+                             draft_state=poison(state.draft_state))
+    clean_out, dirty_out = state, poisoned
+    for _ in range(5):
+      clean_out, dirty_out = step(clean_out), step(dirty_out)
+    np.testing.assert_array_equal(clean_out.n, dirty_out.n)
+    np.testing.assert_array_equal(clean_out.tokens, dirty_out.tokens)
+
+
+class StopTest(parameterized.TestCase):
+
+  def test_eos_inside_an_accepted_run(self):
+    target = tiny_model(vocab=16, n_layers=2, seed=3)
+    plain = specjax.generate(target, PROMPTS, max_new_tokens=12).tokens
+    eos = plain[0][5]
+    # The draft is the target: rounds are fully accepted runs of 5, so EOS lands inside one.
+    res = specjax.generate(target, PROMPTS, max_new_tokens=12, draft=target, gamma=4,
+                           eos_id=eos)
+    for want, got in zip(plain, res.tokens):
+      cut = want.index(eos) + 1 if eos in want else len(want)
+      self.assertEqual(got, want[:cut])
+      if eos in got:
+        self.assertEqual(got.index(eos), len(got) - 1)  # nothing after EOS
+
+  @parameterized.parameters(1, 2, 7, 13)
+  def test_max_new_tokens_is_exact(self, max_new):
+    target, draft = target_and_draft()
+    res = specjax.generate(target, [[1], [2, 3, 4]], max_new_tokens=max_new, draft=draft,
+                           gamma=5, temperature=1.0)
+    self.assertEqual([len(t) for t in res.tokens], [max_new, max_new])
+    self.assertEqual(res.stats["committed"], 2 * max_new)
+
+  def test_stats_add_up(self):
+    target, draft = target_and_draft()
+    res = specjax.generate(target, [[1, 2], [3]] * 8, max_new_tokens=30, draft=draft, gamma=4,
+                           temperature=1.0)
+    s = res.stats
+    # Untruncated rounds commit accepted + 1; truncation only ever removes tokens.
+    self.assertLessEqual(s["committed"], s["accepted"] + s["rounds"])
+    self.assertGreaterEqual(s["committed"], s["accepted"] + s["rounds"] - 16 * 4)
+    self.assertLessEqual(s["accepted"], s["drafted"])
+    self.assertEqual(s["accepted_at"][0], round(s["acceptance_by_position"][0] * s["rounds"]))
+    self.assertTrue(all(a >= b for a, b in zip(s["accepted_at"], s["accepted_at"][1:])))
+    self.assertTrue(0.0 < s["alpha_hat"] < 1.0)
+
+
+class DeterminismTest(parameterized.TestCase):
+
+  def test_same_seed_same_tokens(self):
+    target, draft = target_and_draft()
+    kw = dict(max_new_tokens=12, draft=draft, gamma=3, temperature=1.0)
+    a = specjax.generate(target, [[1, 2]] * 8, seed=3, **kw).tokens
+    b = specjax.generate(target, [[1, 2]] * 8, seed=3, **kw).tokens
+    c = specjax.generate(target, [[1, 2]] * 8, seed=4, **kw).tokens
+    self.assertEqual(a, b)
+    self.assertNotEqual(a, c)
+    self.assertGreater(len({tuple(x) for x in a}), 4)  # rows sample independently
+
+  def test_temperature_sweep_compiles_once(self):
+    target, draft = target_and_draft()
+    traced = []
+    original = decode_lib.run_loop
+
+    def counting(*args, **kwargs):
+      traced.append(1)
+      return original(*args, **kwargs)
+
+    decode_lib.run_loop = chex.assert_max_traces(counting, n=1)
+    try:
+      for temperature in (0.0, 0.3, 0.7, 1.0, 2.0):
+        specjax.generate(target, [[1, 2, 3]] * 2, max_new_tokens=21, draft=draft, gamma=3,
+                         temperature=temperature, top_p=0.9)
+    finally:
+      decode_lib.run_loop = original
+    self.assertEqual(len(traced), 1)
+
+
+class NgramDrafterTest(parameterized.TestCase):
+
+  def _propose(self, seq, gamma=3, min_n=1, max_n=3, size=16):
+    tokens = np.zeros((1, size), np.int32)
+    tokens[0, :len(seq)] = seq
+    d = drafters.NgramDrafter(vocab_size=10, gamma=gamma, min_n=min_n, max_n=max_n)
+    y, q, _ = d.propose(None, (), jnp.asarray(tokens), jnp.array([len(seq)]), None, None)
+    np.testing.assert_array_equal(q, jax.nn.one_hot(y, 10))
+    return np.asarray(y[0]).tolist()
+
+  def test_longest_then_latest_match(self):
+    # Suffix [1, 2]: "1 2" is followed by 3 at index 2 and by 7 at index 6 (latest wins).
+    self.assertEqual(self._propose([1, 2, 3, 4, 1, 2, 7, 8, 9, 5, 1, 2]), [7, 8, 9])
+    # A longer match beats a later shorter one: suffix [5, 1, 2] matches at the start.
+    self.assertEqual(self._propose([5, 1, 2, 3, 4, 1, 2, 7, 8, 5, 1, 2]), [3, 4, 1])
+
+  def test_periodic_continuation_wraps(self):
+    self.assertEqual(self._propose([4, 5, 6, 4, 5, 6, 4], gamma=5), [5, 6, 4, 5, 6])
+
+  def test_no_match_repeats_last_token(self):
+    self.assertEqual(self._propose([1, 2, 3, 4]), [4, 4, 4])
+    self.assertEqual(self._propose([1, 2, 3, 1], min_n=2), [1, 1, 1])
+
+
+class SpeculativeBadInputTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("gamma_zero", dict(gamma=0), "gamma"),
+      ("gamma_float", dict(gamma=2.0), "gamma"),
+      ("no_draft", dict(drafter="model"), "draft model"),
+      ("unknown_drafter", dict(drafter="tree"), "drafter"),
+      ("vocab", dict(draft="other_vocab"), "vocabularies differ"),
+      ("draft_sample", dict(draft="draft", draft_sample="top1"), "draft_sample"),
+      ("ngram_sizes", dict(drafter="ngram", ngram_min=3, ngram_max=2), "ngram"),
+      ("draft_context", dict(draft="short", prompts=[[1] * 20]), "draft's context"))
+  def test_raises(self, kwargs, message):
+    target, draft = target_and_draft()
+    models = {"draft": draft, "other_vocab": tiny_model(vocab=9, seed=2),
+              "short": tiny_model(vocab=8, max_len=16, seed=2)}
+    kwargs = dict(kwargs)
+    if "draft" in kwargs:
+      kwargs["draft"] = models[kwargs["draft"]]
+    elif kwargs.get("drafter") != "model" and "gamma" in kwargs:
+      kwargs["draft"] = draft
+    prompts = kwargs.pop("prompts", [[1, 2]])
+    with self.assertRaisesRegex(ValueError, message):
+      specjax.generate(target, prompts, max_new_tokens=4, **kwargs)

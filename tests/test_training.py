@@ -1,0 +1,166 @@
+"""Training: losses, a few steps that learn, distillation, and exact resume."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import train as train_configs
+from specjax import checkpoint, data
+from specjax import train as train_lib
+from specjax.config import ModelConfig
+from specjax.model import init_model
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = ModelConfig.llama(vocab_size=32, d_model=32, n_layers=1, n_heads=2, max_len=32,
+                         tie_embeddings=True)
+
+
+def test_cross_entropy_matches_definition():
+  logits = jax.random.normal(jax.random.PRNGKey(0), (2, 3, 7))
+  targets = jnp.array([[0, 3, 6], [1, 1, 2]])
+  expected = -np.log(np.take_along_axis(np.asarray(jax.nn.softmax(logits)),
+                                        np.asarray(targets)[..., None], -1)[..., 0])
+  np.testing.assert_allclose(train_lib.cross_entropy(logits, targets), expected, rtol=1e-5)
+
+
+def test_distill_losses():
+  key1, key2 = jax.random.split(jax.random.PRNGKey(1))
+  p_logits = jax.random.normal(key1, (4, 9)) * 2
+  q_logits = jax.random.normal(key2, (4, 9)) * 2
+  p, q = jax.nn.softmax(p_logits), jax.nn.softmax(q_logits)
+  for kind in train_lib.DISTILL_KINDS:
+    chex.assert_trees_all_close(train_lib.distill_loss(p_logits, p_logits, kind),
+                                jnp.zeros(4), atol=1e-6)
+    assert (train_lib.distill_loss(q_logits, p_logits, kind) > 0).all()
+  # TVD = 1 - sum(min(p, q)): one minus the acceptance rate of speculative sampling.
+  chex.assert_trees_all_close(train_lib.distill_loss(q_logits, p_logits, "tvd"),
+                              1 - jnp.minimum(p, q).sum(-1), atol=1e-6)
+  chex.assert_trees_all_close(train_lib.distill_loss(q_logits, p_logits, "fkl"),
+                              (p * (jnp.log(p) - jnp.log(q))).sum(-1), atol=1e-5)
+  with pytest.raises(ValueError, match="distill kind"):
+    train_lib.distill_loss(q_logits, p_logits, "l2")
+
+
+def _periodic_stream(n=2000, period=7):
+  return (np.arange(n) % period * 3 % TINY.vocab_size).astype(np.int32)
+
+
+def test_few_steps_reduce_heldout_loss():
+  model = init_model(TINY, seed=0)
+  stream = _periodic_stream()
+  optimizer = train_lib.make_optimizer(lr=2e-2, warmup_steps=2, total_steps=15)
+  step = train_lib.make_train_step(model.graphdef, optimizer)
+  windows = data.eval_windows(stream, 16, 4)
+  before = train_lib.evaluate(model.graphdef, model.params, windows)["loss"]
+  params, opt_state = model.params, optimizer.init(model.params)
+  losses = []
+  for i in range(15):
+    params, opt_state, metrics = step(params, opt_state, jnp.asarray(data.batch_at(stream, i, 4, 16)))
+    losses.append(float(metrics["loss"]))
+  after = train_lib.evaluate(model.graphdef, params, windows)["loss"]
+  assert losses[-1] < losses[0] - 1.0 and after < before - 1.0
+
+
+def test_distillation_moves_the_student_towards_the_teacher():
+  teacher = init_model(TINY, seed=1)
+  # A random teacher has nearly uniform outputs; sharpen it so there is something to learn.
+  teacher = teacher.with_params(jax.tree_util.tree_map(lambda x: x * 4, teacher.params))
+  student = init_model(TINY, seed=2)
+  tokens = jnp.asarray(data.batch_at(_periodic_stream(), 0, 4, 16))
+
+  teacher_logits = teacher.logits(tokens[:, :-1])
+
+  def tvd(params):
+    student_logits = student.with_params(params).logits(tokens[:, :-1])
+    return float(train_lib.distill_loss(student_logits, teacher_logits, "tvd").mean())
+
+  optimizer = train_lib.make_optimizer(lr=1e-2, warmup_steps=1, total_steps=20)
+  step = train_lib.make_train_step(student.graphdef, optimizer, teacher.graphdef, "fkl")
+  params, opt_state = student.params, optimizer.init(student.params)
+  start = tvd(params)
+  for _ in range(20):
+    params, opt_state, metrics = step(params, opt_state, tokens, teacher.params)
+  assert "distill" in metrics and tvd(params) < 0.7 * start
+
+
+def test_bad_training_arguments():
+  with pytest.raises(ValueError, match="warmup_steps"):
+    train_lib.make_optimizer(1e-3, warmup_steps=10, total_steps=10)
+  model = init_model(TINY)
+  optimizer = train_lib.make_optimizer(1e-3, 1, 10)
+  with pytest.raises(ValueError, match="teacher"):
+    train_lib.make_train_step(model.graphdef, optimizer, None, "fkl")
+  with pytest.raises(ValueError, match="distill must be"):
+    train_lib.make_train_step(model.graphdef, optimizer, model.graphdef, "mse")
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory):
+  """A handful of real source files: enough text for a 300-token BPE."""
+  root = tmp_path_factory.mktemp("corpus")
+  stdlib = data.stdlib_root()
+  for name in ("textwrap.py", "string.py", "heapq.py", "colorsys.py", "bisect.py",
+               "keyword.py", "fnmatch.py", "glob.py", "shlex.py", "this.py"):
+    if (stdlib / name).is_file():
+      (root / name).write_text((stdlib / name).read_text(encoding="utf-8"), encoding="utf-8")
+  return root
+
+
+def _tiny_config(corpus_dir, **overrides):
+  config = train_configs.get_config("tiny")
+  config.corpus = str(corpus_dir)
+  config.update(steps=4, warmup_steps=1, checkpoint_every=2, eval_every=2, log_every=1)
+  config.update(overrides)
+  return config
+
+
+def test_command_line_run_then_resume_matches_straight_run(corpus_dir, tmp_path, capsys):
+  """4 straight steps from the command line == 2 steps, interruption, resume, 2 more."""
+  straight = tmp_path / "straight"
+  flags = [f"--config.{k}={v}" for k, v in dict(
+      corpus=corpus_dir, steps=4, warmup_steps=1, checkpoint_every=2, eval_every=2,
+      log_every=1).items()]
+  result = subprocess.run(
+      [sys.executable, "-m", "experiments.train", "--config=configs/train.py:tiny",
+       f"--workdir={straight}", *flags],
+      cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+      timeout=300)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert "tok/s" in result.stdout and "exported" in result.stdout
+  assert json.loads((straight / "config.json").read_text())["steps"] == 4
+
+  # Interrupted after step 2: only the step-2 orbax checkpoint exists.
+  resumed = tmp_path / "resumed"
+  shutil.copytree(straight, resumed)
+  shutil.rmtree(resumed / "checkpoints" / "4")
+  shutil.rmtree(resumed / "model")
+  capsys.readouterr()
+  model = train_lib.train(_tiny_config(corpus_dir), resumed)
+  assert "at step 2" in capsys.readouterr().out
+  expected = checkpoint.load_model(straight / "model")
+  jax.tree_util.tree_map(np.testing.assert_array_equal, model.params, expected.params)
+
+  records = [json.loads(l) for l in (resumed / "metrics.jsonl").read_text().splitlines()]
+  train_steps = [r["step"] for r in records if "train/loss" in r]
+  assert train_steps == [1, 2, 3, 4]  # nothing duplicated by the resume
+  assert all(r["tokens_per_s"] > 0 for r in records if "train/loss" in r)
+  evals = [r for r in records if "eval/loss" in r]
+  assert [r["step"] for r in evals] == [2, 4] and evals[-1]["eval/bits_per_byte"] > 0
+  exported = checkpoint.load_model(resumed / "model")
+  assert exported.tokenizer.vocab_size == 300 and exported.num_params == expected.num_params
+
+
+def test_bfloat16_export(corpus_dir, tmp_path):
+  train_lib.train(_tiny_config(corpus_dir, steps=2, export_dtype="bfloat16"), tmp_path)
+  manifest = checkpoint.read_manifest(tmp_path / "model")
+  assert manifest["metadata"]["train_steps"] == 2 and manifest["metadata"]["heldout_loss"] > 0
+  assert {s["dtype"] for s in manifest["params"].values()} == {"bfloat16"}
