@@ -41,20 +41,65 @@ def process_logits(logits: jax.Array, temperature, top_k, top_p) -> jax.Array:
   return jnp.where(greedy, one_hot, probs)
 
 
+# Sorting the whole vocabulary is slow on XLA:CPU (~0.7 ms for 5 x 2048). The cut almost
+# always lies among the largest few logits, so it is found there with `lax.top_k`; rows
+# whose cut lies deeper fall back to an exact bisection over the float bit patterns.
+_HEAD = 64
+
+
 def _filter_top_k_top_p(scaled, top_k, top_p):
-  """Sets logits outside the top-k / top-p support to -inf (ties at the cut are kept)."""
+  """Sets logits outside the top-k / top-p support to -inf (ties at a cut are kept).
+
+  top-k keeps logits >= the k-th largest; top-p then keeps the smallest head of the
+  top-k distribution whose mass reaches p.
+  """
   vocab = scaled.shape[-1]
-  # One descending sort serves both filters: top-k cuts at the k-th value, then top-p
-  # keeps the smallest head of the sorted distribution whose mass reaches p.
-  sorted_desc = -jnp.sort(-scaled, axis=-1)
-  kth = jnp.take_along_axis(sorted_desc, jnp.clip(top_k - 1, 0, vocab - 1), axis=-1)
+  head = min(_HEAD, vocab)
+  head_vals = jax.lax.top_k(scaled, head)[0]  # sorted descending
+
+  k_in_head = (top_k <= head)
+  kth = jnp.take_along_axis(head_vals, jnp.clip(top_k - 1, 0, head - 1), axis=-1)
+  kth = jax.lax.cond(jnp.all(k_in_head | (top_k <= 0)), lambda: kth, lambda: jnp.where(
+      k_in_head, kth, _largest_cut(scaled, jnp.ones_like(scaled), top_k.astype(jnp.float32))))
   kth = jnp.where(top_k > 0, kth, -jnp.inf)
-  sorted_probs = jax.nn.softmax(jnp.where(sorted_desc >= kth, sorted_desc, -jnp.inf), axis=-1)
-  mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+
+  kept = jnp.where(scaled >= kth, scaled, -jnp.inf)
+  lse = jax.scipy.special.logsumexp(kept, axis=-1, keepdims=True)
+  head_probs = jnp.where(head_vals >= kth, jnp.exp(head_vals - lse), 0.0)
+  mass_before = jnp.cumsum(head_probs, axis=-1) - head_probs
   n_keep = jnp.maximum(jnp.sum(mass_before < top_p, axis=-1, keepdims=True), 1)
-  pth = jnp.take_along_axis(sorted_desc, n_keep - 1, axis=-1)
+  pth = jnp.take_along_axis(head_vals, n_keep - 1, axis=-1)
+  p_in_head = jnp.sum(head_probs, axis=-1, keepdims=True) >= top_p
+  pth = jax.lax.cond(jnp.all(p_in_head | (top_p >= 1.0)), lambda: pth, lambda: jnp.where(
+      p_in_head, pth, _largest_cut(kept, jnp.exp(kept - lse), top_p)))
   cut = jnp.maximum(kth, jnp.where(top_p < 1.0, pth, -jnp.inf))
   return jnp.where(scaled >= cut, scaled, -jnp.inf)
+
+
+def _ordered_bits(x):
+  """float32 -> int32 with the same order (negative floats have their magnitude flipped)."""
+  i = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+  return jnp.where(i < 0, i ^ 0x7FFFFFFF, i)
+
+
+def _largest_cut(values, weights, target):
+  """The largest value t with Σ_{values >= t} weights >= target, exactly.
+
+  Bisection over the 2^32 ordered bit patterns: 32 masked sums instead of a sort.
+  """
+  keys = _ordered_bits(values)
+  lo = jnp.min(keys, axis=-1, keepdims=True)
+  hi = jnp.max(keys, axis=-1, keepdims=True) + 1  # never satisfies the target
+
+  def body(_, bounds):
+    lo, hi = bounds
+    mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # overflow-free midpoint
+    ok = jnp.sum(jnp.where(keys >= mid, weights, 0.0), axis=-1, keepdims=True) >= target
+    return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+  lo, _ = jax.lax.fori_loop(0, 32, body, (lo, hi))
+  # lo is the key of an actual value: return that value.
+  return jnp.max(jnp.where(keys <= lo, values, -jnp.inf), axis=-1, keepdims=True)
 
 
 def sample(key: jax.Array, probs: jax.Array) -> jax.Array:

@@ -75,3 +75,38 @@ class ProcessLogitsTest(chex.TestCase):
     probs = jnp.array([0.0, 0.5, 0.0, 0.5])
     draws = sample(jax.random.PRNGKey(0), jnp.broadcast_to(probs, (10000, 4)))
     self.assertEqual(set(np.unique(draws).tolist()), {1, 3})
+
+
+class DeepCutTest(chex.TestCase):
+  """Cuts beyond the 64 largest logits take the bisection path; both paths must agree
+  with a plain sort-based reference."""
+
+  @staticmethod
+  def reference(logits, temperature, top_k, top_p):
+    scaled = np.asarray(logits, np.float64) / temperature
+    order = np.argsort(-scaled, kind="stable")
+    keep = np.ones_like(scaled, bool)
+    if top_k > 0:
+      keep &= scaled >= scaled[order[top_k - 1]]
+    probs = np.where(keep, np.exp(scaled - scaled.max()), 0.0)
+    probs /= probs.sum()
+    if top_p < 1.0:
+      sorted_probs = probs[order]
+      before = np.cumsum(sorted_probs) - sorted_probs
+      n_keep = max(int(np.sum(before < top_p)), 1)
+      keep &= scaled >= scaled[order[n_keep - 1]]
+    probs = np.where(keep, np.exp(scaled - scaled.max()), 0.0)
+    return probs / probs.sum()
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_against_sort_reference(self):
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(6, 500)) * 0.5, jnp.float32)  # flat: deep cuts
+    cases = [(1.0, 0, 0.9), (1.0, 200, 1.0), (0.8, 300, 0.95), (1.0, 10, 0.9), (1.3, 0, 0.3),
+             (1.0, 499, 0.999)]
+    temperature, top_k, top_p = (jnp.array(x) for x in zip(*cases))
+    probs = self.variant(process_logits)(logits, temperature, top_k, top_p)
+    for row, (t, k, p) in enumerate(cases):
+      want = self.reference(logits[row], t, k, p)
+      np.testing.assert_array_equal(np.asarray(probs[row]) > 0, want > 0)
+      np.testing.assert_allclose(probs[row], want, atol=1e-5)

@@ -11,7 +11,7 @@ from absl.testing import parameterized
 import specjax
 from specjax import decode as decode_lib
 from specjax import drafters
-from specjax.generate import prepare
+from specjax.generation import prepare
 from conftest import tiny_model
 from test_generate import PROMPTS, greedy_oracle
 

@@ -1,0 +1,71 @@
+"""The cost/acceptance ledger: what speedup a (draft, γ) should give, and why.
+
+With per-position acceptance α (i.i.d. across positions), one round commits on average
+  E(α, γ) = (1 - α^(γ+1)) / (1 - α)
+tokens (Leviathan et al. 2023, eq. 1). A round costs γ draft steps plus one (γ+1)-token
+target pass, against E target steps for plain decoding. In units of one 1-token target
+step, with c = draft step / target step and v(γ) = (γ+1)-token pass / 1-token pass,
+  speedup(α, γ) = E(α, γ) / (γ c + v(γ)).
+On accelerators v ≈ 1 (decode is memory bound); on a CPU v grows with γ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+
+def expected_tokens(alpha, gamma):
+  """E(α, γ): mean tokens committed per round (γ+1 at α = 1)."""
+  alpha = np.asarray(alpha, np.float64)
+  gamma = np.asarray(gamma, np.float64)
+  safe = np.where(alpha < 1.0, alpha, 0.5)
+  out = (1.0 - safe ** (gamma + 1)) / (1.0 - safe)
+  return np.where(alpha < 1.0, out, gamma + 1.0)
+
+
+def predicted_speedup(alpha, gamma, c, v: float | Callable[[int], float] = 1.0):
+  """E(α, γ) / (γ c + v(γ)); v is a number or a function of γ."""
+  v_gamma = v(gamma) if callable(v) else v
+  return expected_tokens(alpha, gamma) / (np.asarray(gamma) * c + v_gamma)
+
+
+def optimal_gamma(alpha, c, v: float | Callable[[int], float] = 1.0, max_gamma: int = 32):
+  """The γ in [1, max_gamma] with the highest predicted speedup, and that speedup."""
+  gammas = np.arange(1, max_gamma + 1)
+  speedups = np.array([predicted_speedup(alpha, g, c, v) for g in gammas], np.float64)
+  best = int(np.argmax(speedups))
+  return int(gammas[best]), float(speedups[best])
+
+
+def alpha_from_positions(accepted_at: Sequence[int], rounds: int) -> float:
+  """Per-position α from how often position i was accepted.
+
+  Position i+1 is only reached when position i was accepted, so the conditional rates
+  accepted_at[i+1] / accepted_at[i] all estimate α; pooling them is the maximum
+  likelihood estimate for a geometric run: Σ accepted_at / (rounds + Σ accepted_at[:-1]).
+  """
+  accepted_at = np.asarray(accepted_at, np.float64)
+  if rounds <= 0 or accepted_at.size == 0:
+    return float("nan")
+  reached = rounds + accepted_at[:-1].sum()
+  return float(accepted_at.sum() / reached)
+
+
+def fit_verify_cost(gammas: Sequence[int], costs: Sequence[float]) -> Callable[[int], float]:
+  """v(γ) by linear interpolation between measured (γ, cost ratio) points."""
+  gammas = np.asarray(gammas, np.float64)
+  costs = np.asarray(costs, np.float64)
+  order = np.argsort(gammas)
+  gammas, costs = gammas[order], costs[order]
+
+  def v(gamma):
+    g = np.asarray(gamma, np.float64)
+    slope = (costs[-1] - costs[0]) / max(gammas[-1] - gammas[0], 1.0)
+    inside = np.interp(g, gammas, costs)
+    beyond = costs[-1] + slope * (g - gammas[-1])
+    below = costs[0] + slope * (g - gammas[0])
+    return np.where(g > gammas[-1], beyond, np.where(g < gammas[0], below, inside))
+
+  return v

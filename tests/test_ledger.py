@@ -1,0 +1,40 @@
+import numpy as np
+from absl.testing import parameterized
+
+from specjax import ledger
+
+
+class LedgerTest(parameterized.TestCase):
+
+  @parameterized.parameters((0.8, 5, 3.69), (0.9, 10, 6.86), (0.6, 2, 1.96))
+  def test_leviathan_table_1(self, alpha, gamma, want):
+    # c = 0, v = 1: the speedup is E(α, γ), as in Leviathan et al. 2023, Table 1.
+    self.assertAlmostEqual(float(ledger.predicted_speedup(alpha, gamma, c=0.0)), want, places=2)
+
+  def test_expected_tokens_limits(self):
+    self.assertEqual(float(ledger.expected_tokens(0.0, 4)), 1.0)
+    self.assertEqual(float(ledger.expected_tokens(1.0, 4)), 5.0)
+    self.assertAlmostEqual(float(ledger.expected_tokens(0.5, 1)), 1.5)
+
+  @parameterized.parameters((0.8, 0.05, 1.0), (0.6, 0.2, 1.0), (0.9, 0.01, 1.0), (0.3, 0.5, 1.0))
+  def test_optimal_gamma_is_the_brute_force_argmax(self, alpha, c, v):
+    best, speedup = ledger.optimal_gamma(alpha, c, v, max_gamma=20)
+    brute = max(range(1, 21), key=lambda g: (1 - alpha ** (g + 1)) / (1 - alpha)
+                / (g * c + v))
+    self.assertEqual(best, brute)
+    self.assertAlmostEqual(speedup, (1 - alpha ** (best + 1)) / (1 - alpha) / (best * c + v))
+
+  def test_optimal_gamma_with_a_cpu_verify_cost(self):
+    v = ledger.fit_verify_cost([0, 4], [1.0, 2.5])  # v(γ) = 1 + 0.375 γ
+    best, _ = ledger.optimal_gamma(0.8, 0.05, v, max_gamma=20)
+    brute = max(range(1, 21), key=lambda g: (1 - 0.8 ** (g + 1)) / 0.2 / (g * 0.05 + v(g)))
+    self.assertEqual(best, brute)
+    self.assertAlmostEqual(float(v(2)), 1.75)
+    self.assertAlmostEqual(float(v(8)), 4.0)
+
+  def test_alpha_from_positions_recovers_a_geometric_run(self):
+    rng = np.random.default_rng(0)
+    alpha, gamma, rounds = 0.7, 4, 200_000
+    runs = np.minimum(rng.geometric(1 - alpha, rounds) - 1, gamma)
+    accepted_at = [(runs > i).sum() for i in range(gamma)]
+    self.assertAlmostEqual(ledger.alpha_from_positions(accepted_at, rounds), alpha, delta=0.005)
