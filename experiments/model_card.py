@@ -1,0 +1,172 @@
+"""Measures every number of the model card of a target/draft pair and writes card.json.
+
+  python -m experiments.model_card --target=stdlib-target --draft=stdlib-draft \
+      --out=checkpoints/card.json
+
+Held-out loss and bits per byte of both models, the acceptance rate α̂ = mean over
+held-out positions of Σ_x min(p(x), q(x)) by teacher forcing both models on the same
+text (at temperature 0 this is the argmax agreement rate), and the cost of a cached
+1-token step and of a (γ+1)-token verify pass, each timed inside one fused
+`lax.fori_loop` so no Python or host sync is counted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from specjax import data, kv_cache, sampling
+from specjax import model as model_lib
+from specjax import train as train_lib
+from specjax.pretrained import load_pretrained
+
+_TARGET = flags.DEFINE_string("target", "stdlib-target", "Target model name or directory.")
+_DRAFT = flags.DEFINE_string("draft", "stdlib-draft", "Draft model name or directory.")
+_OUT = flags.DEFINE_string("out", "", "Where to write the JSON (default: print only).")
+_WINDOWS = flags.DEFINE_integer("windows", 64, "Held-out windows of seq_len tokens.")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 256, "Tokens per held-out window.")
+_MAX_GAMMA = flags.DEFINE_integer("max_gamma", 8, "Verify passes of 2..max_gamma+1 tokens.")
+
+# The small fixed slice tests/test_pretrained.py re-measures (fast on any CPU).
+TEST_SLICE_WINDOWS = 16
+
+
+def heldout_windows(tokenizer, seq_len: int, num_windows: int) -> np.ndarray:
+  """Fixed windows spread over the held-out half of this interpreter's stdlib."""
+  corpus = data.load_corpus(data.STDLIB, heldout_fraction=0.05)
+  stream = data.token_stream(tokenizer, corpus.read("heldout"))
+  return data.eval_windows(stream, seq_len, num_windows)
+
+
+def acceptance(target, draft, windows: np.ndarray, batch_size: int = 8) -> dict[str, float]:
+  """α̂ at temperature 0 and 1 over every predicted position of `windows`."""
+  @jax.jit
+  def per_position(tp, dp, tokens):
+    p_logits = model_lib.forward(target.graphdef, tp, tokens)
+    q_logits = model_lib.forward(draft.graphdef, dp, tokens)
+    out = {}
+    for name, temp in (("t0", 0.0), ("t1", 1.0)):
+      p = sampling.process_logits(p_logits, temp, 0, 1.0)
+      q = sampling.process_logits(q_logits, temp, 0, 1.0)
+      out[name] = jnp.minimum(p, q).sum(-1)
+    return out
+
+  sums, count = {"t0": 0.0, "t1": 0.0}, 0
+  for i in range(0, len(windows), batch_size):
+    chunk = jnp.asarray(windows[i: i + batch_size, :-1])
+    res = jax.device_get(per_position(target.params, draft.params, chunk))
+    for k in sums:
+      sums[k] += float(np.sum(res[k], dtype=np.float64))
+    count += chunk.size
+  return {"alpha_t0": sums["t0"] / count, "alpha_t1": sums["t1"] / count, "positions": count}
+
+
+def _time(fn, *args, repeats: int = 7) -> float:
+  jax.block_until_ready(fn(*args))  # compile
+  best = float("inf")
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    best = min(best, time.perf_counter() - t0)
+  return best
+
+
+def step_costs(model, max_gamma: int, prefix: int = 128, steps: int = 64) -> dict[str, float]:
+  """Milliseconds per cached 1-token step and per (γ+1)-token pass, batch 1, fused loop.
+
+  The cache starts `prefix` tokens full; decode steps grow it, verify passes do not.
+  """
+  cfg, graphdef = model.config, model.graphdef
+  prefix = min(prefix, cfg.max_len // 4)
+  steps = min(steps, cfg.max_len - prefix)
+  kv0 = kv_cache.init_kv(cfg, 1, cfg.max_len)
+  prompt = jnp.arange(prefix, dtype=jnp.int32)[None] % cfg.vocab_size
+  _, kv0 = model_lib.forward_cached_jit(graphdef, model.params, prompt, kv0)
+
+  @jax.jit
+  def decode(params, kv):
+    def body(_, carry):
+      tok, kv = carry
+      logits, kv = model_lib.forward_cached(graphdef, params, tok, kv)
+      return jnp.argmax(logits[:, -1:], -1).astype(jnp.int32), kv
+    return jax.lax.fori_loop(0, steps, body, (jnp.zeros((1, 1), jnp.int32), kv))
+
+  def make_verify(width):
+    @jax.jit
+    def verify(params, kv):
+      def body(_, carry):
+        toks, kv = carry
+        logits, new_kv = model_lib.forward_cached(graphdef, params, toks, kv)
+        # Roll back so every pass sees the same cache length, as a rejected round would.
+        return jnp.argmax(logits, -1).astype(jnp.int32), new_kv.rollback(kv.length)
+      return jax.lax.fori_loop(0, steps, body, (jnp.zeros((1, width), jnp.int32), kv))
+    return verify
+
+  out = {"step_ms": 1e3 * _time(decode, model.params, kv0) / steps}
+  for gamma in range(1, max_gamma + 1):
+    out[f"pass_{gamma + 1}_tokens_ms"] = 1e3 * _time(make_verify(gamma + 1), model.params,
+                                                     kv0) / steps
+  return out
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+  """E(α, γ) = (1 - α^(γ+1)) / (1 - α): tokens committed per target call."""
+  return gamma + 1.0 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+def measure(target_name: str, draft_name: str, num_windows: int, seq_len: int,
+            max_gamma: int) -> dict:
+  target, draft = load_pretrained(target_name), load_pretrained(draft_name)
+  tok = target.tokenizer
+  byte_lengths = tok.token_byte_lengths()
+  windows = heldout_windows(tok, seq_len, num_windows)
+  test_slice = heldout_windows(tok, seq_len, TEST_SLICE_WINDOWS)
+  card = {"environment": {
+      "python": platform.python_version(), "jax": jax.__version__,
+      "cpu_count": os.cpu_count(), "machine": platform.machine(),
+      "xla_flags": os.environ.get("XLA_FLAGS", ""),
+      "heldout": f"{len(windows)} windows x {seq_len} tokens of the stdlib held-out split"}}
+  for role, m in (("target", target), ("draft", draft)):
+    ev = train_lib.evaluate(m.graphdef, m.params, windows, byte_lengths)
+    ev_slice = train_lib.evaluate(m.graphdef, m.params, test_slice, byte_lengths)
+    card[role] = {
+        "name": target_name if role == "target" else draft_name,
+        "num_params": m.num_params, "config": m.config.to_dict(),
+        "heldout_loss": ev["loss"], "heldout_bits_per_byte": ev["bits_per_byte"],
+        "heldout_bytes_per_token": ev["bytes_per_token"],
+        "test_slice_loss": ev_slice["loss"], "test_slice_windows": TEST_SLICE_WINDOWS,
+        **step_costs(m, max_gamma)}
+    print(f"{role}: {json.dumps(card[role], default=str)}", flush=True)
+  card["pair"] = acceptance(target, draft, windows)
+  c = card["draft"]["step_ms"] / card["target"]["step_ms"]
+  predictions = {}
+  for gamma in range(1, max_gamma + 1):
+    v = card["target"][f"pass_{gamma + 1}_tokens_ms"] / card["target"]["step_ms"]
+    e = expected_tokens(card["pair"]["alpha_t0"], gamma)
+    predictions[gamma] = {"v": v, "tokens_per_target_call": e,
+                          "predicted_speedup_t0": e / (gamma * c + v)}
+  best = max(predictions, key=lambda g: predictions[g]["predicted_speedup_t0"])
+  card["pair"].update({"cost_ratio_c": c, "by_gamma": predictions, "best_gamma_t0": best})
+  return card
+
+
+def main(argv):
+  del argv
+  card = measure(_TARGET.value, _DRAFT.value, _WINDOWS.value, _SEQ_LEN.value, _MAX_GAMMA.value)
+  text = json.dumps(card, indent=2, sort_keys=True)
+  print(text)
+  if _OUT.value:
+    Path(_OUT.value).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+  app.run(main)

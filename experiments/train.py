@@ -1,0 +1,23 @@
+"""Train a language model: python -m experiments.train --config=configs/train.py:target --workdir=DIR
+
+Re-running the same command resumes from the newest orbax checkpoint in DIR.
+"""
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from specjax import train as train_lib
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file[:variant].")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and the model.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+  train_lib.train(_CONFIG.value, _WORKDIR.value)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,195 @@
+"""A model on disk: config + parameters (+ tokenizer), in one plain directory.
+
+    DIR/model.json      format tag, ModelConfig, every parameter's shape and stored
+                        dtype, the SHA-256 of params.npz, free-form metadata
+    DIR/params.npz      one array per parameter, keyed 'blocks/0/attn/qkv/kernel'
+    DIR/tokenizer.json  optional, loads with `specjax.tokenizer.Tokenizer.from_file`
+
+Plain numpy so a checkpoint is readable without orbax or a matching jax; orbax is kept
+for the training state (`specjax.train`). bfloat16 arrays are stored as their uint16
+bit patterns (npz has no bfloat16), so any dtype round-trips bit for bit. The hash
+catches truncated or corrupted files before any array is trusted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import model as model_lib
+from specjax.config import ModelConfig
+
+FORMAT = "specjax-model"
+VERSION = 1
+MANIFEST = "model.json"
+PARAMS = "params.npz"
+TOKENIZER = "tokenizer.json"
+
+
+class CheckpointError(ValueError):
+  """A checkpoint is missing, incomplete or corrupt; the message names the path."""
+
+
+def is_checkpoint(path: str | os.PathLike) -> bool:
+  """True if `path` is a directory in this format (judged by its manifest alone)."""
+  manifest = Path(path) / MANIFEST
+  if not manifest.is_file():
+    return False
+  try:
+    return json.loads(manifest.read_text()).get("format") == FORMAT
+  except (ValueError, OSError):
+    return False
+
+
+def _key(path) -> str:
+  return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def _reference_leaves(cfg: ModelConfig):
+  """[(key, ShapeDtypeStruct)] of a config's parameters and the treedef to rebuild them."""
+  from flax import nnx
+  abstract = nnx.eval_shape(lambda: model_lib.Transformer(cfg, nnx.Rngs(0)))
+  shapes = nnx.to_pure_dict(nnx.state(abstract))
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+  return [(_key(p), leaf) for p, leaf in leaves], treedef
+
+
+def save_model(path: str | os.PathLike, config: ModelConfig, params, tokenizer=None,
+               dtype=None, metadata: dict[str, Any] | None = None) -> Path:
+  """Writes a model directory; `dtype` (e.g. jnp.bfloat16) casts floating parameters.
+
+  `tokenizer` is a `specjax.tokenizer.Tokenizer` or a path to a tokenizer.json.
+  Files are written under temporary names and renamed, so a crash leaves no
+  half-written checkpoint that looks complete.
+  """
+  path = Path(path)
+  path.mkdir(parents=True, exist_ok=True)
+  leaves, _ = jax.tree_util.tree_flatten_with_path(params)
+  arrays, specs = {}, {}
+  for p, leaf in leaves:
+    arr = np.asarray(jax.device_get(leaf))
+    if dtype is not None and jnp.issubdtype(arr.dtype, jnp.floating):
+      arr = arr.astype(jnp.dtype(dtype))
+    key = _key(p)
+    specs[key] = {"shape": list(arr.shape), "dtype": str(arr.dtype)}
+    # npz cannot describe bfloat16 and friends: keep their bits as unsigned ints.
+    arrays[key] = arr.view(f"u{arr.itemsize}") if arr.dtype.kind == "V" else arr
+  buffer = io.BytesIO()
+  np.savez(buffer, **arrays)
+  blob = buffer.getvalue()
+  _atomic_write(path / PARAMS, blob)
+  if tokenizer is not None:
+    if isinstance(tokenizer, (str, os.PathLike)):
+      shutil.copyfile(tokenizer, path / (TOKENIZER + ".tmp"))
+      os.replace(path / (TOKENIZER + ".tmp"), path / TOKENIZER)
+    else:
+      tokenizer.save(path / (TOKENIZER + ".tmp"))
+      os.replace(path / (TOKENIZER + ".tmp"), path / TOKENIZER)
+  manifest = {
+      "format": FORMAT, "version": VERSION, "config": config.to_dict(),
+      "params": specs, "params_sha256": hashlib.sha256(blob).hexdigest(),
+      "num_params": int(sum(np.prod(s["shape"], dtype=np.int64) for s in specs.values())),
+      "has_tokenizer": tokenizer is not None, "metadata": metadata or {},
+  }
+  # The manifest goes last: its presence marks the checkpoint complete.
+  _atomic_write(path / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True).encode())
+  return path
+
+
+def _atomic_write(path: Path, data: bytes):
+  tmp = path.with_name(path.name + ".tmp")
+  tmp.write_bytes(data)
+  os.replace(tmp, path)
+
+
+def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+  path = Path(path)
+  if not path.exists():
+    raise CheckpointError(f"checkpoint not found: {path}")
+  if not path.is_dir():
+    raise CheckpointError(f"checkpoint {path} is not a directory")
+  manifest_path = path / MANIFEST
+  if not manifest_path.is_file():
+    raise CheckpointError(f"checkpoint {path} has no {MANIFEST} (missing or incomplete save)")
+  try:
+    manifest = json.loads(manifest_path.read_text())
+  except (ValueError, OSError) as e:
+    raise CheckpointError(f"checkpoint manifest {manifest_path} is unreadable: {e}") from e
+  if manifest.get("format") != FORMAT:
+    raise CheckpointError(f"{manifest_path} is not a {FORMAT} manifest")
+  if manifest.get("version") != VERSION:
+    raise CheckpointError(f"{manifest_path} has version {manifest.get('version')}, "
+                          f"this code reads version {VERSION}")
+  return manifest
+
+
+def load_config(path: str | os.PathLike) -> ModelConfig:
+  return ModelConfig.from_dict(read_manifest(path)["config"])
+
+
+def load_params(path: str | os.PathLike, dtype=None):
+  """(config, params) with params exactly as stored, or cast to `dtype` if given."""
+  path = Path(path)
+  manifest = read_manifest(path)
+  cfg = ModelConfig.from_dict(manifest["config"])
+  params_path = path / PARAMS
+  if not params_path.is_file():
+    raise CheckpointError(f"checkpoint {path} is missing {PARAMS}")
+  blob = params_path.read_bytes()
+  if hashlib.sha256(blob).hexdigest() != manifest["params_sha256"]:
+    raise CheckpointError(f"checkpoint file {params_path} is truncated or corrupt "
+                          f"({len(blob)} bytes; SHA-256 does not match {MANIFEST})")
+  try:
+    stored = np.load(io.BytesIO(blob), allow_pickle=False)
+  except (zipfile.BadZipFile, ValueError, OSError) as e:
+    raise CheckpointError(f"checkpoint file {params_path} is unreadable: {e}") from e
+  reference, treedef = _reference_leaves(cfg)
+  specs = manifest["params"]
+  missing = [k for k, _ in reference if k not in specs or k not in stored.files]
+  extra = sorted(set(specs) - {k for k, _ in reference})
+  if missing or extra:
+    raise CheckpointError(f"checkpoint {path} does not match its config: missing "
+                          f"{missing[:5]}, unexpected {extra[:5]}")
+  leaves = []
+  for key, ref in reference:
+    arr = stored[key]
+    stored_dtype = np.dtype(jnp.dtype(specs[key]["dtype"]))
+    if arr.dtype != stored_dtype:
+      arr = arr.view(stored_dtype)
+    if list(arr.shape) != list(ref.shape):
+      raise CheckpointError(f"checkpoint {path}: parameter {key} has shape {arr.shape}, "
+                            f"config needs {tuple(ref.shape)}")
+    if dtype is not None and jnp.issubdtype(arr.dtype, jnp.floating):
+      arr = arr.astype(jnp.dtype(dtype))
+    leaves.append(jnp.asarray(arr))
+  return cfg, jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def load_model(path: str | os.PathLike, dtype=jnp.float32) -> model_lib.Model:
+  """A `Model` with its tokenizer (if the checkpoint has one); floats cast to `dtype`."""
+  path = Path(path)
+  cfg, params = load_params(path, dtype)
+  tokenizer = None
+  if read_manifest(path).get("has_tokenizer"):
+    from specjax.tokenizer import Tokenizer
+    tok_path = path / TOKENIZER
+    if not tok_path.is_file():
+      raise CheckpointError(f"checkpoint {path} is missing {TOKENIZER}")
+    try:
+      tokenizer = Tokenizer.from_file(tok_path)
+    except ValueError as e:
+      raise CheckpointError(f"checkpoint tokenizer {tok_path} is corrupt: {e}") from e
+    if tokenizer.vocab_size > cfg.vocab_size:
+      raise CheckpointError(f"checkpoint {path}: tokenizer has {tokenizer.vocab_size} tokens, "
+                            f"model only {cfg.vocab_size}")
+  return model_lib.Model(cfg, model_lib.graphdef_for(cfg), params, tokenizer)

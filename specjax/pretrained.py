@@ -1,0 +1,75 @@
+"""`load_pretrained(name_or_path)`: the shipped pair by name, our checkpoints, HF models.
+
+Names resolve to directories under the checkpoints folder: `checkpoints/` at the root
+of the repository (an editable install keeps the package inside it), or the folder in
+the SPECJAX_CHECKPOINTS environment variable when set. A Hugging Face model directory
+(a config.json with a `model_type`) or a hub id goes to `specjax.hf`, imported only then
+so the hub dependencies stay optional.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from specjax import checkpoint as checkpoint_lib
+from specjax import model as model_lib
+
+KNOWN = ("stdlib-target", "stdlib-draft")
+ENV_VAR = "SPECJAX_CHECKPOINTS"
+
+
+def checkpoints_dir() -> Path:
+  override = os.environ.get(ENV_VAR)
+  if override:
+    return Path(override).expanduser()
+  import specjax
+  return Path(specjax.__file__).resolve().parent.parent / "checkpoints"
+
+
+def _is_hf_dir(path: Path) -> bool:
+  config = path / "config.json"
+  if not config.is_file():
+    return False
+  try:
+    return "model_type" in json.loads(config.read_text())
+  except (ValueError, OSError):
+    return False
+
+
+def _looks_like_hub_id(name: str) -> bool:
+  # 'gpt2' or 'org/name': no path syntax beyond one slash, nothing that exists locally.
+  parts = name.split("/")
+  return (len(parts) <= 2 and all(parts) and not name.startswith((".", "~"))
+          and all(c.isalnum() or c in "-_." for p in parts for c in p))
+
+
+def load_pretrained(name_or_path: str | os.PathLike, dtype=jnp.float32) -> model_lib.Model:
+  """A `Model` with `.tokenizer` set, from a shipped name, a directory or a hub id."""
+  name = os.fspath(name_or_path)
+  if name in KNOWN:
+    path = checkpoints_dir() / name
+    if not path.exists():
+      raise checkpoint_lib.CheckpointError(
+          f"shipped checkpoint {name!r} not found at {path} (set {ENV_VAR} to the folder "
+          "that holds it)")
+    return checkpoint_lib.load_model(path, dtype)
+  path = Path(name).expanduser()
+  if path.is_dir():
+    if (path / checkpoint_lib.MANIFEST).exists():
+      return checkpoint_lib.load_model(path, dtype)
+    if _is_hf_dir(path):
+      from specjax import hf
+      return hf.load_hf_model(name, dtype=dtype)
+    raise ValueError(f"{path} is neither a specjax checkpoint ({checkpoint_lib.MANIFEST}) "
+                     "nor a Hugging Face model directory (config.json with model_type)")
+  if path.exists():
+    raise ValueError(f"{path} is a file; load_pretrained needs a model directory or a name")
+  if _looks_like_hub_id(name):
+    from specjax import hf
+    return hf.load_hf_model(name, dtype=dtype)
+  raise ValueError(f"unknown model {name!r}: not a directory, not a hub id; "
+                   f"known names: {', '.join(KNOWN)}")

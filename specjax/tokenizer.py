@@ -1,0 +1,136 @@
+"""Byte-level BPE tokenizer: a thin wrapper over Hugging Face `tokenizers`.
+
+Byte-level BPE maps every byte to a symbol before merging, so any string (source code,
+non-ASCII, control characters) encodes and decodes back exactly. Our own tokenizers
+reserve id 0 for the end-of-text token `<|endoftext|>` (GPT-2's name for it), which
+separates documents in the training stream and ends generation. The same class loads
+any Hugging Face `tokenizer.json`; there `eos_id` is found by the usual names.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+EOS_TOKEN = "<|endoftext|>"
+# Names end-of-text tokens go by in Hugging Face tokenizer files, in order of preference.
+_EOS_NAMES = (EOS_TOKEN, "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>", "<|eot_id|>")
+
+
+class Tokenizer:
+  """str <-> list[int], with `vocab_size` and `eos_id`."""
+
+  def __init__(self, tokenizer: tokenizers.Tokenizer, eos_token: str | None = None):
+    self._tok = tokenizer
+    if eos_token is None:
+      eos_token = next((n for n in _EOS_NAMES if tokenizer.token_to_id(n) is not None), None)
+    self.eos_token = eos_token
+    self.eos_id = None if eos_token is None else tokenizer.token_to_id(eos_token)
+    if eos_token is not None and self.eos_id is None:
+      raise ValueError(f"end-of-text token {eos_token!r} is not in the vocabulary")
+
+  # -- construction ---------------------------------------------------------------
+
+  @classmethod
+  def train(cls, texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> "Tokenizer":
+    """Trains a byte-level BPE on `texts`; id 0 is `<|endoftext|>`."""
+    if vocab_size < 257 + 1:
+      raise ValueError(f"vocab_size must be at least 258 (256 bytes + end-of-text), got {vocab_size}")
+    tok = tokenizers.Tokenizer(models.BPE())
+    # No prefix space: it would add a byte the text does not have and break round trips.
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    return cls(tok, EOS_TOKEN)
+
+  @classmethod
+  def from_file(cls, path: str | os.PathLike) -> "Tokenizer":
+    """Loads a `tokenizer.json` (ours or any Hugging Face one), or a directory holding one."""
+    path = Path(path)
+    if path.is_dir():
+      path = path / "tokenizer.json"
+    if not path.is_file():
+      raise FileNotFoundError(f"no tokenizer file at {path}")
+    try:
+      tok = tokenizers.Tokenizer.from_file(str(path))
+    except Exception as e:  # the Rust side raises a bare Exception
+      raise ValueError(f"cannot read tokenizer file {path}: {e}") from e
+    return cls(tok)
+
+  def save(self, path: str | os.PathLike) -> Path:
+    path = Path(path)
+    if path.is_dir():
+      path = path / "tokenizer.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    self._tok.save(str(path))
+    return path
+
+  # -- use --------------------------------------------------------------------------
+
+  @property
+  def vocab_size(self) -> int:
+    return self._tok.get_vocab_size(with_added_tokens=True)
+
+  def encode(self, text: str) -> list[int]:
+    if not isinstance(text, str):
+      raise ValueError(f"encode expects a str, got {type(text).__name__}")
+    return self._tok.encode(text, add_special_tokens=False).ids
+
+  def encode_batch(self, texts: list[str]) -> list[list[int]]:
+    """Like `encode` for many texts at once (parallel on the Rust side)."""
+    return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+  def decode(self, ids: Iterable[int]) -> str:
+    ids = [int(i) for i in np.asarray(list(ids)).reshape(-1)]
+    bad = [i for i in ids if not 0 <= i < self.vocab_size]
+    if bad:
+      raise ValueError(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+    return self._tok.decode(ids, skip_special_tokens=False)
+
+  def token_byte_lengths(self) -> np.ndarray:
+    """int32[V]: bytes each token stands for (0 for special tokens), for bits per byte.
+
+    Exact for byte-level BPE, where a text's byte length is the sum over its tokens.
+    """
+    byte_of = {c: b for b, c in _bytes_to_unicode().items()}
+    special = {t.content for t in self._tok.get_added_tokens_decoder().values()
+               if t.special}
+    lengths = np.zeros(self.vocab_size, np.int32)
+    for token, idx in self._tok.get_vocab(with_added_tokens=True).items():
+      if token in special:
+        continue
+      if all(c in byte_of for c in token):
+        lengths[idx] = len(token)  # one symbol per byte
+      else:  # not a byte-level vocabulary: fall back to the UTF-8 length of its text
+        lengths[idx] = len(self._tok.decode([idx]).encode("utf-8"))
+    return lengths
+
+  def __repr__(self):
+    return f"Tokenizer(vocab_size={self.vocab_size}, eos={self.eos_token!r})"
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+  """GPT-2's byte -> printable character table, the alphabet of byte-level BPE."""
+  bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1)))
+  cs = bs[:]
+  n = 0
+  for b in range(256):
+    if b not in bs:
+      bs.append(b)
+      cs.append(256 + n)
+      n += 1
+  return dict(zip(bs, map(chr, cs)))
+
+
+def iter_texts(paths: Iterable[Path]) -> Iterator[str]:
+  for p in paths:
+    yield Path(p).read_text(encoding="utf-8", errors="replace")

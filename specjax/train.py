@@ -1,0 +1,361 @@
+"""Training: next-token loss (optionally distilled from a teacher), optax, orbax, eval.
+
+`train(config, workdir)` runs a whole job from an ml_collections config (see
+`configs/train.py`). The pieces are usable alone from a notebook:
+
+  optimizer = make_optimizer(lr=1e-3, warmup_steps=100, total_steps=1000)
+  step = make_train_step(graphdef, optimizer)
+  params, opt_state, metrics = step(params, opt_state, tokens)  # tokens int[B, T+1]
+
+Resume is exact: the optimizer state lives in the orbax checkpoint and the batch of
+step s depends only on (seed, s), so 2 + 2 steps with a restart in between produce the
+same parameters as 4 straight steps.
+
+Distillation (DistillSpec) trains the draft on the teacher's full next-token
+distribution at temperature 1 instead of (or mixed with) the one-hot data token. The
+acceptance rate of speculative decoding is 1 - TVD(p, q), so matching p is exactly
+what the draft is for: `distill='tvd'` minimises that distance itself, `'fkl'`
+(forward KL, KL(p || q)) is its smooth upper bound and trains faster.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from specjax import checkpoint as checkpoint_lib
+from specjax import data as data_lib
+from specjax import model as model_lib
+from specjax.config import ModelConfig
+from specjax.tokenizer import Tokenizer
+
+DISTILL_KINDS = ("fkl", "rkl", "tvd")
+# optax renamed global_norm; take the new name where it exists.
+_tree_norm = getattr(optax.tree_utils, "tree_norm", None) or optax.global_norm
+
+
+# ----------------------------------------------------------------------------------
+# Losses.
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+  """Per-position next-token loss in nats: float[B, T, V], int[B, T] -> float[B, T]."""
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+
+
+def distill_loss(student_logits: jax.Array, teacher_logits: jax.Array, kind: str) -> jax.Array:
+  """Per-position divergence of the student q from the teacher p at temperature 1."""
+  logq = jax.nn.log_softmax(student_logits.astype(jnp.float32), axis=-1)
+  logp = jax.nn.log_softmax(teacher_logits.astype(jnp.float32), axis=-1)
+  p, q = jnp.exp(logp), jnp.exp(logq)
+  if kind == "fkl":  # KL(p || q)
+    return jnp.sum(p * (logp - logq), axis=-1)
+  if kind == "rkl":  # KL(q || p)
+    return jnp.sum(q * (logq - logp), axis=-1)
+  if kind == "tvd":  # 1 - acceptance rate
+    return 0.5 * jnp.sum(jnp.abs(p - q), axis=-1)
+  raise ValueError(f"distill kind must be one of {DISTILL_KINDS}, got {kind!r}")
+
+
+# ----------------------------------------------------------------------------------
+# Optimizer and step.
+
+
+def make_optimizer(lr: float, warmup_steps: int, total_steps: int, weight_decay: float = 0.1,
+                   grad_clip: float = 1.0, b1: float = 0.9, b2: float = 0.95,
+                   end_lr_fraction: float = 0.1) -> optax.GradientTransformation:
+  """AdamW on a linear warm-up + cosine decay schedule, after global-norm clipping.
+
+  Weight decay applies to matrices only, not to norm scales and biases.
+  """
+  if total_steps < 1 or not 0 <= warmup_steps < total_steps:
+    raise ValueError(f"need 0 <= warmup_steps < total_steps, got {warmup_steps}, {total_steps}")
+  schedule = optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=lr, warmup_steps=warmup_steps, decay_steps=total_steps,
+      end_value=lr * end_lr_fraction)
+  decay_mask = lambda params: jax.tree_util.tree_map(lambda x: x.ndim >= 2, params)
+  return optax.chain(
+      optax.clip_by_global_norm(grad_clip),
+      optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay, mask=decay_mask))
+
+
+def make_train_step(graphdef, optimizer: optax.GradientTransformation, teacher_graphdef=None,
+                    distill: str | None = None, distill_weight: float = 1.0) -> Callable:
+  """A jitted `step(params, opt_state, tokens[B, T+1], teacher_params=None)`.
+
+  Returns (params, opt_state, metrics). With `distill`, the loss is
+  (1 - distill_weight) * cross-entropy + distill_weight * divergence from the teacher,
+  whose logits are computed in the same step (no stored soft labels).
+  """
+  if distill is not None and distill not in DISTILL_KINDS:
+    raise ValueError(f"distill must be None or one of {DISTILL_KINDS}, got {distill!r}")
+  if distill is not None and teacher_graphdef is None:
+    raise ValueError("distillation needs a teacher_graphdef")
+  if not 0.0 <= distill_weight <= 1.0:
+    raise ValueError(f"distill_weight must be in [0, 1], got {distill_weight}")
+
+  def loss_fn(params, inputs, targets, teacher_logits):
+    logits = model_lib.forward(graphdef, params, inputs)
+    ce = jnp.mean(cross_entropy(logits, targets))
+    metrics = {"loss": ce}
+    if teacher_logits is None:
+      return ce, metrics
+    div = jnp.mean(distill_loss(logits, teacher_logits, distill))
+    metrics["distill"] = div
+    return (1.0 - distill_weight) * ce + distill_weight * div, metrics
+
+  @jax.jit
+  def step(params, opt_state, tokens, teacher_params=None):
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    teacher_logits = None
+    if distill is not None:
+      teacher_logits = jax.lax.stop_gradient(
+          model_lib.forward(teacher_graphdef, teacher_params, inputs))
+    grads, metrics = jax.grad(loss_fn, has_aux=True)(params, inputs, targets, teacher_logits)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    metrics["grad_norm"] = _tree_norm(grads)
+    return params, opt_state, metrics
+
+  return step
+
+
+# ----------------------------------------------------------------------------------
+# Evaluation.
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _eval_batch(graphdef, params, tokens):
+  logits = model_lib.forward(graphdef, params, tokens[:, :-1])
+  return cross_entropy(logits, tokens[:, 1:])
+
+
+def evaluate(graphdef, params, windows: np.ndarray, byte_lengths: np.ndarray | None = None,
+             batch_size: int = 8) -> dict[str, float]:
+  """Held-out loss (nats/token) and bits per byte over `windows` int[N, T+1].
+
+  Bits per byte divides the total loss by the bytes the predicted tokens stand for, so
+  it compares models with different tokenizers; end-of-text tokens count zero bytes.
+  """
+  windows = np.asarray(windows, np.int32)
+  if windows.ndim != 2 or windows.shape[1] < 2:
+    raise ValueError(f"windows must be int[N, T+1] with T >= 1, got shape {windows.shape}")
+  total, count = 0.0, 0
+  for i in range(0, len(windows), batch_size):
+    chunk = windows[i: i + batch_size]
+    nats = np.asarray(_eval_batch(graphdef, params, jnp.asarray(chunk)), np.float64)
+    total += nats.sum()
+    count += nats.size
+  out = {"loss": total / count, "tokens": count}
+  if byte_lengths is not None:
+    num_bytes = int(np.asarray(byte_lengths)[windows[:, 1:]].sum())
+    out["bits_per_byte"] = total / math.log(2) / max(num_bytes, 1)
+    out["bytes_per_token"] = num_bytes / count
+  return out
+
+
+# ----------------------------------------------------------------------------------
+# The whole job.
+
+
+def model_config_from(config) -> ModelConfig:
+  """The ModelConfig described by `config.model` (a dict of ModelConfig fields + 'style')."""
+  fields = dict(config.model)
+  style = fields.pop("style", "gpt2")
+  if style == "llama":
+    return ModelConfig.llama(**fields)
+  if style == "gpt2":
+    return ModelConfig(**fields)
+  raise ValueError(f"config.model.style must be 'gpt2' or 'llama', got {style!r}")
+
+
+def _load_teacher(spec: str):
+  from specjax.pretrained import load_pretrained
+  return load_pretrained(spec)
+
+
+def _prepare_tokenizer(config, workdir: Path, corpus, teacher) -> Tokenizer:
+  path = workdir / "tokenizer.json"
+  if path.is_file():  # a resumed run keeps the tokenizer it started with
+    return Tokenizer.from_file(path)
+  if config.tokenizer:
+    tok = Tokenizer.from_file(config.tokenizer)
+  elif teacher is not None:
+    if teacher.tokenizer is None:
+      raise ValueError(f"teacher {config.teacher!r} has no tokenizer; set config.tokenizer")
+    tok = teacher.tokenizer
+  else:
+    tok = Tokenizer.train(corpus.read("train"), config.vocab_size)
+  tok.save(path)
+  return tok
+
+
+def _token_streams(config, workdir: Path, corpus, tok: Tokenizer):
+  """Train and held-out streams, cached in the workdir so a resume skips tokenizing."""
+  streams = {}
+  for split in ("train", "heldout"):
+    cache = workdir / f"tokens_{split}.npy"
+    if cache.is_file():
+      streams[split] = np.load(cache).astype(np.int32)
+      continue
+    stream = data_lib.token_stream(tok, corpus.read(split))
+    np.save(cache, stream.astype(np.uint16 if tok.vocab_size <= 65536 else np.int32))
+    streams[split] = stream
+  return streams["train"], streams["heldout"]
+
+
+class _MetricsLog:
+  """metrics.jsonl in the workdir; on resume, records past the restored step are dropped."""
+
+  def __init__(self, path: Path, resume_step: int):
+    self.path = path
+    if path.is_file():
+      kept = [l for l in path.read_text().splitlines()
+              if l.strip() and json.loads(l).get("step", 0) <= resume_step]
+      path.write_text("".join(l + "\n" for l in kept))
+
+  def write(self, record: dict[str, Any]):
+    with self.path.open("a") as f:
+      f.write(json.dumps(record, sort_keys=True) + "\n")
+
+
+def _log(msg: str):
+  print(msg, flush=True)
+
+
+def train(config, workdir: str | os.PathLike) -> model_lib.Model:
+  """Runs (or resumes) the job described by `config` in `workdir`; returns the model.
+
+  The workdir ends up with config.json, tokenizer.json, metrics.jsonl, orbax
+  checkpoints under checkpoints/, and the final model in our checkpoint format under
+  `config.export_dir` (default WORKDIR/model).
+  """
+  import orbax.checkpoint as ocp
+
+  workdir = Path(workdir).expanduser().resolve()
+  workdir.mkdir(parents=True, exist_ok=True)
+  config_json = config.to_json_best_effort(indent=2, sort_keys=True)
+  saved_config = workdir / "config.json"
+  if saved_config.is_file() and json.loads(saved_config.read_text()) != json.loads(config_json):
+    _log(f"note: {saved_config} differs from this config; resuming with the new one")
+  saved_config.write_text(config_json + "\n")
+
+  corpus = data_lib.load_corpus(config.corpus, config.heldout_fraction)
+  teacher = _load_teacher(config.teacher) if config.teacher else None
+  tok = _prepare_tokenizer(config, workdir, corpus, teacher)
+  train_stream, heldout_stream = _token_streams(config, workdir, corpus, tok)
+  byte_lengths = tok.token_byte_lengths()
+  eval_windows = data_lib.eval_windows(heldout_stream, config.seq_len, config.eval_windows)
+
+  cfg = model_config_from(config)
+  if cfg.vocab_size < tok.vocab_size:
+    raise ValueError(f"model vocab_size {cfg.vocab_size} < tokenizer's {tok.vocab_size}")
+  if config.seq_len > cfg.max_len:
+    raise ValueError(f"seq_len {config.seq_len} exceeds the model's max_len {cfg.max_len}")
+  if teacher is not None and teacher.config.vocab_size != cfg.vocab_size:
+    raise ValueError(f"teacher vocab {teacher.config.vocab_size} != student vocab {cfg.vocab_size}")
+  model = model_lib.init_model(cfg, config.seed)
+  graphdef, params = model.graphdef, model.params
+  optimizer = make_optimizer(config.lr, config.warmup_steps, config.steps, config.weight_decay,
+                             config.grad_clip, config.b1, config.b2, config.end_lr_fraction)
+  opt_state = optimizer.init(params)
+  distill = config.distill or None
+  step_fn = make_train_step(graphdef, optimizer,
+                            teacher.graphdef if teacher is not None else None,
+                            distill if teacher is not None else None, config.distill_weight)
+  if distill and teacher is None:
+    raise ValueError("config.distill is set but config.teacher is empty")
+  teacher_params = teacher.params if teacher is not None else None
+
+  manager = ocp.CheckpointManager(
+      workdir / "checkpoints",
+      options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+  state = {"params": params, "opt_state": opt_state,
+           "elapsed_s": np.zeros((), np.float64)}
+  start_step = 0
+  if manager.latest_step() is not None:
+    start_step = manager.latest_step()
+    abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, state)
+    state = manager.restore(start_step, args=ocp.args.StandardRestore(abstract))
+    _log(f"resumed from {workdir / 'checkpoints'} at step {start_step}")
+  params, opt_state = state["params"], state["opt_state"]
+  elapsed = float(state["elapsed_s"])
+  metrics_log = _MetricsLog(workdir / "metrics.jsonl", start_step)
+
+  n_params = model_lib.count_params(params)
+  tokens_per_step = config.batch_size * config.seq_len
+  _log(f"model {n_params:,} params, {cfg}\n"
+       f"corpus {config.corpus}: {len(train_stream):,} train / {len(heldout_stream):,} "
+       f"held-out tokens; {tokens_per_step} tokens/step, {config.steps} steps")
+
+  def save(step):
+    manager.save(step, args=ocp.args.StandardSave(
+        {"params": params, "opt_state": opt_state, "elapsed_s": np.asarray(elapsed)}))
+
+  def run_eval(step):
+    result = evaluate(graphdef, params, eval_windows, byte_lengths, config.eval_batch_size)
+    record = {"step": step, "eval/loss": result["loss"],
+              "eval/bits_per_byte": result["bits_per_byte"], "elapsed_s": elapsed,
+              "train_tokens": step * tokens_per_step}
+    metrics_log.write(record)
+    _log(f"step {step:6d}  eval loss {result['loss']:.4f}  bits/byte "
+         f"{result['bits_per_byte']:.4f}")
+    return result
+
+  run_t0, elapsed0 = time.time(), elapsed
+  window_t0, window_steps = time.time(), 0  # tokens/s over the steps since the last line
+  for step in range(start_step, config.steps):
+    tokens = jnp.asarray(data_lib.batch_at(train_stream, step, config.batch_size,
+                                           config.seq_len, config.seed))
+    params, opt_state, metrics = step_fn(params, opt_state, tokens, teacher_params)
+    done, window_steps = step + 1, window_steps + 1
+    elapsed = elapsed0 + time.time() - run_t0
+    if done % config.log_every == 0 or done == config.steps:
+      metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+      rate = window_steps * tokens_per_step / max(time.time() - window_t0, 1e-9)
+      record = {"step": done, "lr": optimizer_lr(config, done), "tokens_per_s": rate,
+                "elapsed_s": elapsed, **{f"train/{k}": v for k, v in metrics.items()}}
+      metrics_log.write(record)
+      extra = f"  distill {metrics['distill']:.4f}" if "distill" in metrics else ""
+      _log(f"step {done:6d}/{config.steps}  loss {metrics['loss']:.4f}{extra}  "
+           f"grad {metrics['grad_norm']:.3f}  lr {record['lr']:.2e}  "
+           f"{rate:,.0f} tok/s  {elapsed / 60:.1f} min")
+      window_t0, window_steps = time.time(), 0
+    if done % config.eval_every == 0 or done == config.steps:
+      run_eval(done)
+      window_t0, window_steps = time.time(), 0
+    if done % config.checkpoint_every == 0 or done == config.steps:
+      elapsed = elapsed0 + time.time() - run_t0
+      save(done)
+      window_t0, window_steps = time.time(), 0
+  manager.wait_until_finished()
+  manager.close()
+
+  final = evaluate(graphdef, params, eval_windows, byte_lengths, config.eval_batch_size)
+  export_dir = Path(config.export_dir) if config.export_dir else workdir / "model"
+  meta = {"train_steps": config.steps, "train_tokens": config.steps * tokens_per_step,
+          "train_wall_s": round(elapsed, 1), "heldout_loss": final["loss"],
+          "heldout_bits_per_byte": final["bits_per_byte"], "corpus": config.corpus,
+          "teacher": config.teacher or None, "distill": distill}
+  checkpoint_lib.save_model(export_dir, cfg, params, tok,
+                            dtype=jnp.dtype(config.export_dtype) if config.export_dtype else None,
+                            metadata=meta)
+  _log(f"exported to {export_dir}: {json.dumps(meta)}")
+  return model_lib.Model(cfg, graphdef, params, tok)
+
+
+def optimizer_lr(config, step: int) -> float:
+  schedule = optax.warmup_cosine_decay_schedule(
+      0.0, config.lr, config.warmup_steps, config.steps, config.lr * config.end_lr_fraction)
+  return float(schedule(step))
