@@ -5,7 +5,6 @@ Tiny random checkpoints are made by transformers with torch and saved with
 initial 0 or 1 cannot hide a mapping error. Float32 throughout.
 """
 
-import inspect
 import json
 import os
 import shutil
@@ -87,16 +86,6 @@ def checkpoints(tmp_path_factory):
   return out
 
 
-def _generate_fn():
-  # `specjax.generate` is the function once exported from the package, else the module.
-  gen = getattr(specjax, "generate", None)
-  if inspect.ismodule(gen):
-    gen = getattr(gen, "generate", None)
-  if gen is None:
-    pytest.skip("specjax.generate is not available yet")
-  return gen
-
-
 @pytest.mark.parametrize("name", list(HF_CONFIGS))
 def test_logits_match_transformers(checkpoints, name):
   directory, ref = checkpoints[name]
@@ -121,11 +110,10 @@ def test_config_mapping(checkpoints):
 # Llama's greedy output is checked through the speculative test below (same output).
 @pytest.mark.parametrize("name", ["gpt2", "qwen2"])
 def test_greedy_generation_matches_transformers(checkpoints, name):
-  generate = _generate_fn()
   directory, ref = checkpoints[name]
   model = hf.load_hf_model(directory)
   prompts = [[3, 5, 7, 9, 11, 2], [1, 4]]  # ragged on our side, one at a time on theirs
-  ours = generate(model, prompts, max_new_tokens=8, temperature=0.0).tokens
+  ours = specjax.generate(model, prompts, max_new_tokens=8, temperature=0.0).tokens
   for prompt, row in zip(prompts, ours):
     theirs = ref.generate(
         torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
@@ -135,11 +123,11 @@ def test_greedy_generation_matches_transformers(checkpoints, name):
 
 def test_speculative_greedy_with_imported_pair_matches_transformers(checkpoints):
   """Imported target + imported draft (different weights, same vocabulary), temperature 0."""
-  generate = _generate_fn()
   (target_dir, ref), (draft_dir, _) = checkpoints["llama"], checkpoints["mistral"]
   target, draft = hf.load_hf_model(target_dir), hf.load_hf_model(draft_dir)
   prompt = [5, 9, 2, 5, 9, 2, 7]
-  result = generate(target, [prompt], max_new_tokens=10, temperature=0.0, draft=draft, gamma=3)
+  result = specjax.generate(target, [prompt], max_new_tokens=10, temperature=0.0, draft=draft,
+                            gamma=3)
   theirs = ref.generate(
       torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
       do_sample=False, max_new_tokens=10, min_new_tokens=10, pad_token_id=0, eos_token_id=None)
