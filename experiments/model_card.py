@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from specjax import data, kv_cache, sampling
+from specjax import data, kv_cache
 from specjax import model as model_lib
 from specjax import train as train_lib
 from specjax.pretrained import load_pretrained
@@ -45,29 +45,6 @@ def heldout_windows(tokenizer, seq_len: int, num_windows: int) -> np.ndarray:
   corpus = data.load_corpus(data.STDLIB, heldout_fraction=0.05)
   stream = data.token_stream(tokenizer, corpus.read("heldout"))
   return data.eval_windows(stream, seq_len, num_windows)
-
-
-def acceptance(target, draft, windows: np.ndarray, batch_size: int = 8) -> dict[str, float]:
-  """α̂ at temperature 0 and 1 over every predicted position of `windows`."""
-  @jax.jit
-  def per_position(tp, dp, tokens):
-    p_logits = model_lib.forward(target.graphdef, tp, tokens)
-    q_logits = model_lib.forward(draft.graphdef, dp, tokens)
-    out = {}
-    for name, temp in (("t0", 0.0), ("t1", 1.0)):
-      p = sampling.process_logits(p_logits, temp, 0, 1.0)
-      q = sampling.process_logits(q_logits, temp, 0, 1.0)
-      out[name] = jnp.minimum(p, q).sum(-1)
-    return out
-
-  sums, count = {"t0": 0.0, "t1": 0.0}, 0
-  for i in range(0, len(windows), batch_size):
-    chunk = jnp.asarray(windows[i: i + batch_size, :-1])
-    res = jax.device_get(per_position(target.params, draft.params, chunk))
-    for k in sums:
-      sums[k] += float(np.sum(res[k], dtype=np.float64))
-    count += chunk.size
-  return {"alpha_t0": sums["t0"] / count, "alpha_t1": sums["t1"] / count, "positions": count}
 
 
 def _time(fn, *args, repeats: int = 7) -> float:
@@ -146,7 +123,7 @@ def measure(target_name: str, draft_name: str, num_windows: int, seq_len: int,
         "test_slice_loss": ev_slice["loss"], "test_slice_windows": TEST_SLICE_WINDOWS,
         **step_costs(m, max_gamma)}
     print(f"{role}: {json.dumps(card[role], default=str)}", flush=True)
-  card["pair"] = acceptance(target, draft, windows)
+  card["pair"] = train_lib.acceptance_rate(target, draft, windows)
   c = card["draft"]["step_ms"] / card["target"]["step_ms"]
   predictions = {}
   for gamma in range(1, max_gamma + 1):

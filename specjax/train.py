@@ -36,6 +36,7 @@ import optax
 from specjax import checkpoint as checkpoint_lib
 from specjax import data as data_lib
 from specjax import model as model_lib
+from specjax import sampling
 from specjax.config import ModelConfig
 from specjax.tokenizer import Tokenizer
 
@@ -165,6 +166,36 @@ def evaluate(graphdef, params, windows: np.ndarray, byte_lengths: np.ndarray | N
   return out
 
 
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _agreement_batch(target_graphdef, target_params, draft_graphdef, draft_params, tokens):
+  p_logits = model_lib.forward(target_graphdef, target_params, tokens)
+  q_logits = model_lib.forward(draft_graphdef, draft_params, tokens)
+  out = {}
+  for name, temperature in (("alpha_t0", 0.0), ("alpha_t1", 1.0)):
+    p = sampling.process_logits(p_logits, temperature, 0, 1.0)
+    q = sampling.process_logits(q_logits, temperature, 0, 1.0)
+    out[name] = jnp.minimum(p, q).sum(-1)
+  return out
+
+
+def acceptance_rate(target, draft, windows: np.ndarray, batch_size: int = 8) -> dict[str, float]:
+  """α̂ = mean over positions of Σ_x min(p(x), q(x)) at temperature 0 and 1.
+
+  `target`, `draft`: `Model`s; both are teacher-forced on the same windows int[N, T+1].
+  At temperature 0, p and q are one-hot argmaxes and α̂ is the argmax agreement rate.
+  """
+  windows = np.asarray(windows, np.int32)
+  sums, count = {"alpha_t0": 0.0, "alpha_t1": 0.0}, 0
+  for i in range(0, len(windows), batch_size):
+    chunk = jnp.asarray(windows[i: i + batch_size, :-1])
+    res = jax.device_get(_agreement_batch(target.graphdef, target.params, draft.graphdef,
+                                          draft.params, chunk))
+    for k in sums:
+      sums[k] += float(np.sum(res[k], dtype=np.float64))
+    count += chunk.size
+  return {**{k: v / count for k, v in sums.items()}, "positions": count}
+
+
 # ----------------------------------------------------------------------------------
 # The whole job.
 
@@ -201,7 +232,7 @@ def _prepare_tokenizer(config, workdir: Path, corpus, teacher) -> Tokenizer:
   return tok
 
 
-def _token_streams(config, workdir: Path, corpus, tok: Tokenizer):
+def _token_streams(workdir: Path, corpus, tok: Tokenizer):
   """Train and held-out streams, cached in the workdir so a resume skips tokenizing."""
   streams = {}
   for split in ("train", "heldout"):
@@ -254,7 +285,7 @@ def train(config, workdir: str | os.PathLike) -> model_lib.Model:
   corpus = data_lib.load_corpus(config.corpus, config.heldout_fraction)
   teacher = _load_teacher(config.teacher) if config.teacher else None
   tok = _prepare_tokenizer(config, workdir, corpus, teacher)
-  train_stream, heldout_stream = _token_streams(config, workdir, corpus, tok)
+  train_stream, heldout_stream = _token_streams(workdir, corpus, tok)
   byte_lengths = tok.token_byte_lengths()
   eval_windows = data_lib.eval_windows(heldout_stream, config.seq_len, config.eval_windows)
 
@@ -308,9 +339,15 @@ def train(config, workdir: str | os.PathLike) -> model_lib.Model:
     record = {"step": step, "eval/loss": result["loss"],
               "eval/bits_per_byte": result["bits_per_byte"], "elapsed_s": elapsed,
               "train_tokens": step * tokens_per_step}
+    agree = ""
+    if teacher is not None:  # how often the student would be accepted as a draft
+      rates = acceptance_rate(teacher, model_lib.Model(cfg, graphdef, params), eval_windows,
+                              config.eval_batch_size)
+      record.update({f"eval/{k}": rates[k] for k in ("alpha_t0", "alpha_t1")})
+      agree = f"  alpha T=0 {rates['alpha_t0']:.4f}  T=1 {rates['alpha_t1']:.4f}"
     metrics_log.write(record)
     _log(f"step {step:6d}  eval loss {result['loss']:.4f}  bits/byte "
-         f"{result['bits_per_byte']:.4f}")
+         f"{result['bits_per_byte']:.4f}{agree}")
     return result
 
   run_t0, elapsed0 = time.time(), elapsed

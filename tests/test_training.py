@@ -164,3 +164,19 @@ def test_bfloat16_export(corpus_dir, tmp_path):
   manifest = checkpoint.read_manifest(tmp_path / "model")
   assert manifest["metadata"]["train_steps"] == 2 and manifest["metadata"]["heldout_loss"] > 0
   assert {s["dtype"] for s in manifest["params"].values()} == {"bfloat16"}
+
+
+def test_acceptance_rate_is_expected_overlap():
+  target = init_model(TINY, seed=1)
+  target = target.with_params(jax.tree_util.tree_map(lambda x: x * 3, target.params))
+  draft = init_model(TINY, seed=2)
+  draft = draft.with_params(jax.tree_util.tree_map(lambda x: x * 3, draft.params))
+  windows = data.eval_windows(_periodic_stream(), 8, 3)
+  rates = train_lib.acceptance_rate(target, draft, windows, batch_size=2)
+  p = np.asarray(jax.nn.softmax(target.logits(windows[:, :-1])), np.float64)
+  q = np.asarray(jax.nn.softmax(draft.logits(windows[:, :-1])), np.float64)
+  np.testing.assert_allclose(rates["alpha_t1"], np.minimum(p, q).sum(-1).mean(), rtol=1e-5)
+  np.testing.assert_allclose(rates["alpha_t0"], (p.argmax(-1) == q.argmax(-1)).mean())
+  assert rates["positions"] == 3 * 8
+  same = train_lib.acceptance_rate(target, target, windows)
+  np.testing.assert_allclose([same["alpha_t0"], same["alpha_t1"]], [1.0, 1.0], rtol=1e-6)
