@@ -95,6 +95,21 @@ def step_costs(model, max_gamma: int, prefix: int = 128, steps: int = 64) -> dic
   return out
 
 
+def loss_by_position_half(model, tokenizer, num_windows: int = 16) -> dict[str, float]:
+  """Held-out loss on max_len-token windows, split at half the context.
+
+  The pair trains on 256-token windows; this shows what happens past them.
+  """
+  length = model.config.max_len
+  windows = heldout_windows(tokenizer, length, num_windows)
+  nats = np.concatenate([
+      np.asarray(train_lib._eval_batch(model.graphdef, model.params, jnp.asarray(windows[i: i + 4])))
+      for i in range(0, len(windows), 4)])
+  half = length // 2
+  return {f"loss_positions_0_{half - 1}": float(nats[:, :half].mean()),
+          f"loss_positions_{half}_{length - 1}": float(nats[:, half:].mean())}
+
+
 def expected_tokens(alpha: float, gamma: int) -> float:
   """E(α, γ) = (1 - α^(γ+1)) / (1 - α): tokens committed per target call."""
   return gamma + 1.0 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
@@ -121,6 +136,7 @@ def measure(target_name: str, draft_name: str, num_windows: int, seq_len: int,
         "heldout_loss": ev["loss"], "heldout_bits_per_byte": ev["bits_per_byte"],
         "heldout_bytes_per_token": ev["bytes_per_token"],
         "test_slice_loss": ev_slice["loss"], "test_slice_windows": TEST_SLICE_WINDOWS,
+        **loss_by_position_half(m, tok),
         **step_costs(m, max_gamma)}
     print(f"{role}: {json.dumps(card[role], default=str)}", flush=True)
   card["pair"] = train_lib.acceptance_rate(target, draft, windows)
