@@ -152,11 +152,37 @@ def measure(target_name: str, draft_name: str, num_windows: int, seq_len: int,
   return card
 
 
+def markdown_tables(card: dict) -> str:
+  """The measured numbers as the Markdown tables of checkpoints/README.md."""
+  t, d, pair = card["target"], card["draft"], card["pair"]
+  half = t["config"]["max_len"] // 2
+  lines = [
+      "| | stdlib-target | stdlib-draft |", "|---|---|---|",
+      f"| parameters | {t['num_params']:,} | {d['num_params']:,} |",
+      f"| held-out loss (nats/token) | {t['heldout_loss']:.4f} | {d['heldout_loss']:.4f} |",
+      f"| held-out bits per byte | {t['heldout_bits_per_byte']:.4f} | "
+      f"{d['heldout_bits_per_byte']:.4f} |",
+      f"| loss, positions 0–{half - 1} / {half}–{2 * half - 1} | "
+      f"{t[f'loss_positions_0_{half - 1}']:.3f} / {t[f'loss_positions_{half}_{2 * half - 1}']:.3f} | "
+      f"{d[f'loss_positions_0_{half - 1}']:.3f} / {d[f'loss_positions_{half}_{2 * half - 1}']:.3f} |",
+      f"| cached 1-token step (ms) | {t['step_ms']:.3f} | {d['step_ms']:.3f} |",
+      "", f"α̂ over {pair['positions']:,} held-out positions: "
+      f"**{pair['alpha_t0']:.3f} at temperature 0**, **{pair['alpha_t1']:.3f} at temperature 1**; "
+      f"draft/target step cost c = {pair['cost_ratio_c']:.3f}.", "",
+      "| γ | target pass of γ+1 tokens (ms) | v(γ) | E(α̂₀, γ) tokens/target call | "
+      "predicted speedup E / (γc + v) |", "|---|---|---|---|---|"]
+  for gamma, row in sorted(pair["by_gamma"].items(), key=lambda kv: int(kv[0])):
+    lines.append(f"| {gamma} | {t[f'pass_{int(gamma) + 1}_tokens_ms']:.3f} | {row['v']:.2f} | "
+                 f"{row['tokens_per_target_call']:.2f} | {row['predicted_speedup_t0']:.2f} |")
+  return "\n".join(lines)
+
+
 def main(argv):
   del argv
   card = measure(_TARGET.value, _DRAFT.value, _WINDOWS.value, _SEQ_LEN.value, _MAX_GAMMA.value)
   text = json.dumps(card, indent=2, sort_keys=True)
   print(text)
+  print(markdown_tables(card))
   if _OUT.value:
     Path(_OUT.value).write_text(text + "\n")
 
