@@ -65,9 +65,34 @@ def propose_cost(drafter, draft_params, batch: int, vocab_size: int, context: in
     def body(i, carry):
       state, key = carry
       key, sub = jax.random.split(key)
-      ys, _, new_state = drafter.propose(params, state, tokens, n, sub, sampling)
+      # A token that changes every iteration stops XLA hoisting a stateless drafter.
+      seq = tokens.at[:, 0].set(i % vocab_size)
+      ys, _, new_state = drafter.propose(params, state, seq, n, sub, sampling)
       return drafter.rollback(new_state, n - ys[:, 0] * 0), key
     return jax.lax.fori_loop(0, iters, body, (state, key))
 
   state = drafter.prefill(draft_params, drafter.init(batch, cache_size), tokens, n)
   return best_time(loop, draft_params, state, jax.random.PRNGKey(1), repeats=repeats) / iters
+
+
+def round_cost(target, prepared: dict, draft_params=None, rounds: int = 16,
+               repeats: int = 3) -> float:
+  """Seconds per decode round (draft + verify + commit) run back to back in one loop.
+
+  `prepared` is `specjax.generation.prepare(...)`'s output; its max_new_tokens must leave
+  room for `rounds` rounds. Prefill and host work are excluded.
+  """
+  from specjax import decode as decode_lib  # local: decode imports sampling, not costs
+  drafter, sampling = prepared["drafter"], prepared["sampling"]
+  state = decode_lib.prefill(target.config, drafter, target.params, draft_params,
+                             prepared["tokens"], prepared["prompt_len"],
+                             prepared["prompt_width"], prepared["cache_size"],
+                             jax.random.PRNGKey(0))
+
+  @jax.jit
+  def loop(state):
+    step = lambda _, s: decode_lib.decode_round(target.config, drafter, target.params,
+                                                draft_params, s, sampling)
+    return jax.lax.fori_loop(0, rounds, step, state)
+
+  return best_time(loop, state, repeats=repeats) / rounds

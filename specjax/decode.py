@@ -85,8 +85,8 @@ def _commit_length(new, n_accepted, state: DecodeState, sampling: Sampling, max_
   return count, stop
 
 
-def decode_round(target_graphdef, drafter, max_len, target_params, draft_params,
-                 state: DecodeState, sampling: Sampling) -> DecodeState:
+def decode_round(target_config, drafter, target_params, draft_params, state: DecodeState,
+                 sampling: Sampling) -> DecodeState:
   """One draft + verify round for every row: a pure function of its inputs."""
   batch = state.n.shape[0]
   gamma = drafter.gamma
@@ -96,7 +96,8 @@ def decode_round(target_graphdef, drafter, max_len, target_params, draft_params,
                                         state.n, draft_key, sampling)
   pending = jnp.take_along_axis(state.tokens, (state.n - 1)[:, None], axis=1)
   logits, target_kv = model_lib.forward_cached(
-      target_graphdef, target_params, jnp.concatenate([pending, ys], axis=1), state.target_kv)
+      model_lib.graphdef_for(target_config), target_params,
+      jnp.concatenate([pending, ys], axis=1), state.target_kv)
   ps = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
 
   row_keys = jax.vmap(jax.random.fold_in, (None, 0))(verify_key, jnp.arange(batch))
@@ -106,7 +107,7 @@ def decode_round(target_graphdef, drafter, max_len, target_params, draft_params,
   idx = jnp.arange(gamma + 1)[None, :]
   padded = jnp.concatenate([ys, next_token[:, None]], axis=1)
   new = jnp.where(idx == n_accepted[:, None], next_token[:, None], padded)  # [B, γ+1]
-  count, stop = _commit_length(new, n_accepted, state, sampling, max_len)
+  count, stop = _commit_length(new, n_accepted, state, sampling, target_config.max_len)
   old = jnp.take_along_axis(state.tokens, state.n[:, None] + idx, axis=1, mode="clip")
   tokens = kv_cache.write(state.tokens, jnp.where(idx < count[:, None], new, old), state.n)
   n = state.n + count
@@ -135,13 +136,14 @@ def decode_round(target_graphdef, drafter, max_len, target_params, draft_params,
       key=key, target_calls=state.target_calls + 1, stats=stats)
 
 
-def prefill(target_config, target_graphdef, drafter, target_params, draft_params, tokens,
-            prompt_len, prompt_width, cache_size, key) -> DecodeState:
+def prefill(target_config, drafter, target_params, draft_params, tokens, prompt_len,
+            prompt_width, cache_size, key) -> DecodeState:
   """Builds both caches from the prompts; the last prompt token stays pending."""
   batch = tokens.shape[0]
   head = tokens[:, :prompt_width]
   target_kv = kv_cache.init_kv(target_config, batch, cache_size)
-  _, target_kv = model_lib.forward_cached(target_graphdef, target_params, head, target_kv)
+  _, target_kv = model_lib.forward_cached(model_lib.graphdef_for(target_config), target_params,
+                                          head, target_kv)
   draft_state = drafter.init(batch, cache_size)
   draft_state = drafter.prefill(draft_params, draft_state, head, prompt_len)
   return DecodeState(
@@ -151,19 +153,21 @@ def prefill(target_config, target_graphdef, drafter, target_params, draft_params
       stats=_init_stats(batch, drafter.gamma))
 
 
-def run_loop(target_graphdef, drafter, max_len, target_params, draft_params, state, sampling):
+def run_loop(target_config, drafter, target_params, draft_params, state, sampling):
   """All rounds in one while_loop; no host sync until every row is done."""
-  body = functools.partial(decode_round, target_graphdef, drafter, max_len, target_params,
-                           draft_params, sampling=sampling)
+  body = functools.partial(decode_round, target_config, drafter, target_params, draft_params,
+                           sampling=sampling)
   return jax.lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: body(state=s), state)
 
 
-@functools.partial(jax.jit, static_argnames=("target_config", "target_graphdef", "drafter",
-                                             "prompt_width", "cache_size"))
-def decode(target_config, target_graphdef, drafter, prompt_width, cache_size, target_params,
-           draft_params, tokens, prompt_len, sampling: Sampling, key) -> DecodeState:
-  """Prefill + every round, compiled once per (models, γ, shapes)."""
-  state = prefill(target_config, target_graphdef, drafter, target_params, draft_params, tokens,
-                  prompt_len, prompt_width, cache_size, key)
-  return run_loop(target_graphdef, drafter, target_config.max_len, target_params, draft_params,
-                  state, sampling)
+# Static arguments are configs, not NNX graphdefs: the graph is a function of the config
+# (`graphdef_for`), and a frozen dataclass hashes in microseconds where a graphdef takes
+# about a millisecond on every call.
+@functools.partial(jax.jit, static_argnames=("target_config", "drafter", "prompt_width",
+                                             "cache_size"))
+def decode(target_config, drafter, prompt_width, cache_size, target_params, draft_params,
+           tokens, prompt_len, sampling: Sampling, key) -> DecodeState:
+  """Prefill + every round, compiled once per (configs, γ, shapes)."""
+  state = prefill(target_config, drafter, target_params, draft_params, tokens, prompt_len,
+                  prompt_width, cache_size, key)
+  return run_loop(target_config, drafter, target_params, draft_params, state, sampling)

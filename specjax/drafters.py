@@ -58,9 +58,12 @@ class ModelDrafter:
   """
 
   config: ModelConfig
-  graphdef: Any
   gamma: int
   sample_mode: str = "probabilistic"
+
+  @property
+  def graphdef(self):
+    return model_lib.graphdef_for(self.config)
 
   def init(self, batch, size):
     return kv_cache.init_kv(self.config, batch, size)

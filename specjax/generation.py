@@ -85,8 +85,8 @@ def make_drafter(target: Model, draft: Model | None, drafter: str | None, gamma:
                      f"{draft.config.vocab_size}, target vocab_size={target.config.vocab_size}")
   if draft_sample not in DRAFT_SAMPLE_MODES:
     raise ValueError(f"draft_sample must be one of {DRAFT_SAMPLE_MODES}, got {draft_sample!r}")
-  return drafters_lib.ModelDrafter(config=draft.config, graphdef=draft.graphdef,
-                                   gamma=int(gamma), sample_mode=draft_sample)
+  return drafters_lib.ModelDrafter(config=draft.config, gamma=int(gamma),
+                                   sample_mode=draft_sample)
 
 
 def summarize_stats(state: decode_lib.DecodeState, gamma: int) -> dict[str, Any]:
@@ -200,7 +200,7 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
                  drafter=drafter, draft_sample=draft_sample, ngram_min=ngram_min,
                  ngram_max=ngram_max)
   state = decode_lib.decode(
-      target.config, target.graphdef, args["drafter"], args["prompt_width"],
+      target.config, args["drafter"], args["prompt_width"],
       args["cache_size"], target.params, args["draft_params"], args["tokens"],
       args["prompt_len"], args["sampling"], jax.random.PRNGKey(seed))
   tokens, n, prompt_len = jax.device_get((state.tokens, state.n, state.prompt_len))

@@ -1,6 +1,7 @@
 """Fixed-size KV buffers with a per-row valid length.
 
-Each layer keeps `k`, `v` of shape [B, S, kv_heads, head_dim]. `length[b]` counts the
+Each layer keeps `k`, `v` of shape [B, kv_heads, S, head_dim] (heads before slots, so
+attention contracts over slots without transposing the cache). `length[b]` counts the
 positions of row b whose KV is valid. Rolling back is just lowering `length`: slots at
 or past it are masked out by position when attention reads the cache and are
 overwritten by the next write, so no copy or zeroing ever happens.
@@ -17,14 +18,14 @@ from specjax.config import ModelConfig
 
 @flax.struct.dataclass
 class KVState:
-  k: tuple[jax.Array, ...]  # one [B, S, kv_heads, head_dim] buffer per layer
+  k: tuple[jax.Array, ...]  # one [B, kv_heads, S, head_dim] buffer per layer
   v: tuple[jax.Array, ...]
   length: jax.Array  # int32[B]
 
   @property
   def size(self) -> int:
     """S: the number of slots per row."""
-    return self.k[0].shape[1]
+    return self.k[0].shape[2]
 
   @property
   def batch(self) -> int:
@@ -36,7 +37,7 @@ class KVState:
 
 
 def init_kv(cfg: ModelConfig, batch: int, size: int, dtype=jnp.float32) -> KVState:
-  shape = (batch, size, cfg.kv_heads, cfg.dim_per_head)
+  shape = (batch, cfg.kv_heads, size, cfg.dim_per_head)
   zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers))
   return KVState(k=zeros, v=zeros, length=jnp.zeros((batch,), jnp.int32))
 
@@ -47,3 +48,9 @@ def write(buffer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
   rows = jnp.arange(b)[:, None]
   cols = start[:, None] + jnp.arange(t)[None, :]
   return buffer.at[rows, cols].set(new.astype(buffer.dtype), mode="drop")
+
+
+def write_kv(buffer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+  """buffer [B, H, S, D] gets new [B, T, H, D] at slots start[b]..; overflow is dropped."""
+  upd = new.astype(buffer.dtype).swapaxes(1, 2)
+  return jax.vmap(lambda buf, u, s: jax.lax.dynamic_update_slice(buf, u, (0, s, 0)))(buffer, upd, start)

@@ -45,23 +45,32 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def attend(q, k, v, q_pos, k_pos, k_valid):
-  """Causal attention by absolute position, with grouped-query heads.
+def attend(q, k, v, cache=None):
+  """Causal attention of T new queries over the cached keys plus the T new keys.
 
-  q: [B, T, H, D]; k, v: [B, S, KVH, D]; q_pos: int[B, T]; k_pos: int[B, S];
-  k_valid: bool[B, S]. A key is seen iff it is valid and not after the query.
+  q: [B, T, H, D]; k, v: [B, T, KVH, D] for the same T tokens; cache: optional
+  (k_buf, v_buf, length) with buffers [B, KVH, S, D] whose first length[b] slots are the
+  history. The cache is only read here (it is written after), which lets XLA update it
+  in place instead of copying it every step. Heads are grouped for GQA.
   """
   b, t, h, d = q.shape
   kvh = k.shape[2]
-  # Invalid slots may hold anything (stale drafts, NaN): zero them so 0 * NaN never
-  # reaches the weighted sum.
-  v = jnp.where(k_valid[:, :, None, None], v, 0.0)
-  qg = q.reshape(b, t, kvh, h // kvh, d)
-  scores = jnp.einsum("btkgd,bskd->bkgts", qg, k) * (d ** -0.5)
-  mask = k_valid[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])  # [B, T, S]
-  scores = jnp.where(mask[:, None, None], scores.astype(jnp.float32), -1e30)
-  weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  out = jnp.einsum("bkgts,bskd->btkgd", weights, v)
+  qg = q.reshape(b, t, kvh, h // kvh, d) * (d ** -0.5)
+  causal = jnp.tril(jnp.ones((t, t), bool))
+  scores = [jnp.where(causal, jnp.einsum("btkgd,bukd->bkgtu", qg, k), -1e30)]
+  if cache is not None:
+    k_buf, v_buf, length = cache
+    valid = jnp.arange(k_buf.shape[2])[None, :] < length[:, None]  # [B, S]
+    # Invalid slots may hold anything (stale drafts, NaN): zero them so 0 * NaN never
+    # reaches the weighted sum.
+    v_buf = jnp.where(valid[:, None, :, None], v_buf, 0.0)
+    cached = jnp.einsum("btkgd,bksd->bkgts", qg, k_buf)
+    scores.insert(0, jnp.where(valid[:, None, None, None, :], cached, -1e30))
+  weights = jax.nn.softmax(jnp.concatenate(scores, axis=-1).astype(jnp.float32), axis=-1)
+  weights = weights.astype(v.dtype)
+  out = jnp.einsum("bkgtu,bukd->btkgd", weights[..., -t:], v)
+  if cache is not None:
+    out = out + jnp.einsum("bkgts,bksd->btkgd", weights[..., :-t], v_buf)
   return out.reshape(b, t, h * d)
 
 
@@ -86,13 +95,14 @@ class Attention(nnx.Module):
     if cfg.position == "rope":
       q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
     if cache is None:
-      out = attend(q, k, v, positions, positions, jnp.ones((b, t), bool))
-      return self.out(out), None
+      return self.out(attend(q, k, v)), None
+    out = attend(q, k, v, cache)
     k_buf, v_buf, length = cache
-    k_buf = kv_cache.write(k_buf, k, length)
-    v_buf = kv_cache.write(v_buf, v, length)
-    k_pos = jnp.broadcast_to(jnp.arange(k_buf.shape[1]), (b, k_buf.shape[1]))
-    out = attend(q, k_buf, v_buf, positions, k_pos, k_pos < (length + t)[:, None])
+    # The write depends on the attention output, so XLA must read the old buffers first
+    # and may then update them in place; otherwise it copies both caches every step.
+    zero = jnp.zeros((), k.dtype) * out[0, 0, 0]
+    k_buf = kv_cache.write_kv(k_buf, k + zero, length)
+    v_buf = kv_cache.write_kv(v_buf, v + zero, length)
     return self.out(out), (k_buf, v_buf)
 
 

@@ -71,7 +71,7 @@ class CachedForwardTest(parameterized.TestCase):
     # every slot past the valid length is poisoned.
     _, kv = model_lib.forward_cached(model.graphdef, model.params, other, kv)
     kv = kv.rollback(jnp.array([10, 10]))
-    slot = jnp.arange(kv.size)[None, :, None, None]
+    slot = jnp.arange(kv.size)[None, None, :, None]
     poison_fn = lambda buf: jnp.where(slot >= 10, poison, buf)
     kv = kv.replace(k=tuple(map(poison_fn, kv.k)), v=tuple(map(poison_fn, kv.v)))
     logits, _ = model_lib.forward_cached(model.graphdef, model.params, tokens[:, 10:], kv)

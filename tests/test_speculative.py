@@ -104,12 +104,11 @@ class GreedyTest(parameterized.TestCase):
 def _one_round_setup(target, draft, prompts, gamma, temperature, seed=0, max_new=20):
   args = prepare(target, prompts, max_new_tokens=max_new, temperature=temperature, top_k=0,
                  top_p=1.0, eos_id=None, draft=draft, gamma=gamma)
-  state = decode_lib.prefill(target.config, target.graphdef, args["drafter"], target.params,
+  state = decode_lib.prefill(target.config, args["drafter"], target.params,
                              draft.params, args["tokens"], args["prompt_len"],
                              args["prompt_width"], args["cache_size"], jax.random.PRNGKey(seed))
   step = jax.jit(lambda s: decode_lib.decode_round(
-      target.graphdef, args["drafter"], target.config.max_len, target.params, draft.params,
-      s, args["sampling"]))
+      target.config, args["drafter"], target.params, draft.params, s, args["sampling"]))
   return state, step, args
 
 
@@ -145,7 +144,7 @@ class RollbackTest(parameterized.TestCase):
     state = step(step(state))
 
     def poison(kv):
-      slot = jnp.arange(kv.size)[None, :, None, None]
+      slot = jnp.arange(kv.size)[None, None, :, None]
       stale = slot >= kv.length[:, None, None, None]
       bad = lambda buf: jnp.where(stale, jnp.nan, buf)
       return kv.replace(k=tuple(map(bad, kv.k)), v=tuple(map(bad, kv.v)))

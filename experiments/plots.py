@@ -1,0 +1,128 @@
+"""summary.md and the PNG plots of a sweep, written from its results rows."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from specjax import ledger  # noqa: E402
+
+PLOTS = ("acceptance_vs_gamma.png", "tokens_per_call.png", "speedup_vs_gamma.png",
+         "acceptance_by_position.png")
+
+
+def _series(rows, drafter, batch, top_p):
+  """{temperature: rows sorted by γ} for one drafter / batch size / top-p."""
+  out = defaultdict(list)
+  for r in rows:
+    if r["drafter"] == drafter and r["batch_size"] == batch and r["top_p"] == top_p:
+      out[r["temperature"]].append(r)
+  return {t: sorted(rs, key=lambda r: r["gamma"]) for t, rs in sorted(out.items())}
+
+
+def _panels(rows):
+  keys = sorted({(r["drafter"], r["batch_size"], r["top_p"]) for r in rows})
+  fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4), squeeze=False)
+  return keys, fig, axes[0]
+
+
+def _title(key):
+  drafter, batch, top_p = key
+  return f"{drafter} drafter, batch {batch}" + (f", top-p {top_p}" if top_p < 1 else "")
+
+
+def write_report(rows: list[dict], workdir) -> None:
+  workdir = Path(workdir)
+  if not rows:
+    return
+  (workdir / "summary.md").write_text(summary_table(rows))
+
+  keys, fig, axes = _panels(rows)
+  for ax, key in zip(axes, keys):
+    for t, rs in _series(rows, *key).items():
+      ax.plot([r["gamma"] for r in rs], [r["acceptance_rate"] for r in rs], "o-", label=f"T={t}")
+    ax.set(title=_title(key), xlabel="γ", ylabel="acceptance rate", ylim=(0, 1.02))
+    ax.legend()
+  fig.tight_layout()
+  fig.savefig(workdir / PLOTS[0], dpi=110)
+  plt.close(fig)
+
+  fig, ax = plt.subplots(figsize=(5, 4.5))
+  for drafter, marker in (("model", "o"), ("ngram", "s")):
+    rs = [r for r in rows if r["drafter"] == drafter]
+    if rs:
+      ax.scatter([r["expected_tokens"] for r in rs], [r["tokens_per_target_call"] for r in rs],
+                 marker=marker, label=f"{drafter} drafter")
+  hi = max(max(r["expected_tokens"], r["tokens_per_target_call"]) for r in rows) * 1.05
+  ax.plot([1, hi], [1, hi], "k--", lw=1, label="measured = E(α̂, γ)")
+  ax.set(xlabel="E(α̂, γ) predicted", ylabel="tokens per target call (measured)",
+         title="Tokens per target call")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(workdir / PLOTS[1], dpi=110)
+  plt.close(fig)
+
+  keys, fig, axes = _panels(rows)
+  for ax, key in zip(axes, keys):
+    for i, (t, rs) in enumerate(_series(rows, *key).items()):
+      color = f"C{i}"
+      g = [r["gamma"] for r in rs]
+      ax.plot(g, [r["speedup"] for r in rs], "o-", color=color, label=f"T={t} measured")
+      ax.plot(g, [r["predicted_speedup"] for r in rs], "x--", color=color,
+              label=f"T={t} predicted")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set(title=_title(key), xlabel="γ", ylabel="speedup vs target-only")
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(workdir / PLOTS[2], dpi=110)
+  plt.close(fig)
+
+  keys, fig, axes = _panels(rows)
+  for ax, key in zip(axes, keys):
+    for t, rs in _series(rows, *key).items():
+      r = rs[-1]  # the largest γ shows the most positions
+      rates = r["acceptance_by_position"]
+      ax.plot(np.arange(1, len(rates) + 1), rates, "o-", label=f"T={t}, γ={r['gamma']}")
+    ax.set(title=_title(key), xlabel="draft position i",
+           ylabel="P(accept i | reached i)", ylim=(0, 1.02))
+    ax.legend()
+  fig.tight_layout()
+  fig.savefig(workdir / PLOTS[3], dpi=110)
+  plt.close(fig)
+
+
+def summary_table(rows: list[dict]) -> str:
+  head = ("| drafter | batch | T | top-p | γ | α̂ | accept rate | tokens/call | E(α̂,γ) | c | "
+          "v(γ) | tok/s | target-only tok/s | speedup | predicted |")
+  lines = [head, "|" + "---|" * (head.count("|") - 1)]
+  order = sorted(rows, key=lambda r: (r["drafter"], r["batch_size"], r["top_p"],
+                                      r["temperature"], r["gamma"]))
+  for r in order:
+    lines.append(
+        f"| {r['drafter']} | {r['batch_size']} | {r['temperature']} | {r['top_p']} | "
+        f"{r['gamma']} | {r['alpha_hat']:.3f} | {r['acceptance_rate']:.3f} | "
+        f"{r['tokens_per_target_call']:.2f} | {r['expected_tokens']:.2f} | {r['c']:.3f} | "
+        f"{r['v']:.2f} | {r['tokens_per_s']:.0f} | {r['target_only_tokens_per_s']:.0f} | "
+        f"{r['speedup']:.2f}x | {r['predicted_speedup']:.2f}x |")
+  best = max(rows, key=lambda r: r["speedup"])
+  lines += ["", f"Best measured: {best['speedup']:.2f}x with the {best['drafter']} drafter, "
+            f"γ={best['gamma']}, T={best['temperature']}, batch {best['batch_size']} "
+            f"({best['tokens_per_s']:.0f} vs {best['target_only_tokens_per_s']:.0f} tokens/s)."]
+  for drafter in sorted({r["drafter"] for r in rows}):
+    rs = [r for r in rows if r["drafter"] == drafter and r["temperature"] == 0.0]
+    if rs:
+      r = max(rs, key=lambda r: r["gamma"])
+      g, s = ledger.optimal_gamma(r["alpha_hat"], r["c"],
+                                  ledger.fit_verify_cost(*zip(*sorted(
+                                      {(x["gamma"], x["v"]) for x in rows
+                                       if x["drafter"] == drafter and
+                                       x["batch_size"] == r["batch_size"]}))))
+      lines.append(f"Ledger optimum at T=0 for the {drafter} drafter (batch "
+                   f"{r['batch_size']}, α̂={r['alpha_hat']:.3f}): γ={g}, predicted {s:.2f}x.")
+  return "\n".join(lines) + "\n"

@@ -1,0 +1,169 @@
+r"""The sweep: γ x temperature x top-p x drafter x batch size, measured against theory.
+
+  python -m experiments.run --config=configs/sweep.py --workdir=runs/sweep
+
+Leaves in the workdir: config.json, results.jsonl (one row per grid point; a rerun skips
+points already there), summary.md, and PNG plots.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+import numpy as np
+import tqdm
+
+from experiments import common
+from experiments import plots
+from specjax import ledger
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/sweep.py", "Sweep config.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Where results go.", required=True)
+
+GRID_FIELDS = ("drafter", "gamma", "temperature", "top_p", "batch_size")
+
+
+def validate(cfg) -> None:
+  """Fails at once, naming the field, before any model is loaded."""
+
+  def fail(field, message):
+    raise ValueError(f"config.{field}: {message} (got {cfg[field]!r})")
+
+  for field in GRID_FIELDS:
+    if not isinstance(cfg[field], (tuple, list)) or not cfg[field]:
+      fail(field, "must be a non-empty tuple")
+  for d in cfg.drafter:
+    if d not in ("model", "ngram"):
+      fail("drafter", f"unknown drafter {d!r}; use 'model' or 'ngram'")
+  if "model" in cfg.drafter and not cfg.draft:
+    fail("draft", "drafter 'model' needs a draft model")
+  for g in cfg.gamma:
+    if not isinstance(g, int) or isinstance(g, bool) or g < 1:
+      fail("gamma", "every γ must be an int >= 1")
+  for t in cfg.temperature:
+    if not isinstance(t, (int, float)) or t < 0:
+      fail("temperature", "temperatures must be >= 0")
+  for p in cfg.top_p:
+    if not isinstance(p, (int, float)) or not 0 < p <= 1:
+      fail("top_p", "top_p values must be in (0, 1]")
+  for b in cfg.batch_size:
+    if not isinstance(b, int) or b < 1:
+      fail("batch_size", "batch sizes must be ints >= 1")
+  for field in ("num_prompts", "prompt_tokens", "max_new_tokens", "timing_repeats"):
+    if not isinstance(cfg[field], int) or cfg[field] < 1:
+      fail(field, "must be an int >= 1")
+  if not isinstance(cfg.top_k, int) or cfg.top_k < 0:
+    fail("top_k", "must be an int >= 0")
+  if cfg.draft_sample not in ("probabilistic", "greedy"):
+    fail("draft_sample", "must be 'probabilistic' or 'greedy'")
+
+
+def point_key(point: dict) -> str:
+  return json.dumps({k: point[k] for k in GRID_FIELDS}, sort_keys=True)
+
+
+def read_rows(path: Path) -> list[dict]:
+  if not path.exists():
+    return []
+  rows = []
+  for line in path.read_text().splitlines():
+    if line.strip():
+      rows.append(json.loads(line))
+  return rows
+
+
+def run_sweep(cfg, workdir: str | Path, progress: bool = True) -> list[dict]:
+  """Runs every grid point not yet in results.jsonl; returns all rows."""
+  validate(cfg)
+  workdir = Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
+  results_path = workdir / "results.jsonl"
+  rows = read_rows(results_path)
+  done = {point_key(r) for r in rows}
+  grid = [dict(zip(GRID_FIELDS, values)) for values in itertools.product(
+      *(tuple(cfg[f]) for f in GRID_FIELDS))]
+  todo = [p for p in grid if point_key(p) not in done]
+  logging.info("%d grid points, %d already done", len(grid), len(grid) - len(todo))
+  if not todo:
+    plots.write_report(rows, workdir)
+    return rows
+
+  target, draft = common.load_pair(cfg.target, cfg.draft if "model" in cfg.drafter else None)
+  if target.tokenizer is None:
+    raise ValueError(f"target {cfg.target!r} has no tokenizer: prompts come from text")
+  prompts = common.heldout_prompts(target.tokenizer, cfg.corpus, cfg.num_prompts,
+                                   cfg.prompt_tokens, seed=cfg.seed)
+  context = cfg.prompt_tokens + cfg.max_new_tokens // 2
+  base = dict(max_new_tokens=cfg.max_new_tokens, top_k=cfg.top_k, seed=cfg.seed,
+              eos_id=target.tokenizer.eos_id if cfg.stop_at_eos else None)
+  baselines, step_costs = {}, {}
+
+  bar = tqdm.tqdm(todo, desc="sweep", disable=not progress)
+  for point in bar:
+    bar.set_postfix_str(" ".join(f"{k}={v}" for k, v in point.items()))
+    sampling = dict(base, temperature=point["temperature"], top_p=point["top_p"])
+    bkey = (point["temperature"], point["top_p"], point["batch_size"])
+    if bkey not in baselines:
+      baselines[bkey] = common.timed_generate(target, prompts, point["batch_size"],
+                                              cfg.timing_repeats, **sampling)
+    base_time, base_stats, _ = baselines[bkey]
+    ckey = (point["drafter"], point["gamma"], point["batch_size"])
+    if ckey not in step_costs:
+      step_costs[ckey] = common.step_costs(target, draft, point["drafter"], point["gamma"],
+                                           point["batch_size"], context,
+                                           (cfg.ngram_min, cfg.ngram_max), cfg.draft_sample)
+    sc = step_costs[ckey]
+    spec = dict(sampling, gamma=point["gamma"], drafter=point["drafter"],
+                ngram_min=cfg.ngram_min, ngram_max=cfg.ngram_max)
+    if point["drafter"] == "model":
+      spec.update(draft=draft, draft_sample=cfg.draft_sample)
+    elapsed, stats, _ = common.timed_generate(target, prompts, point["batch_size"],
+                                              cfg.timing_repeats, **spec)
+    row = make_row(point, stats, elapsed, base_time, base_stats, sc)
+    rows.append(row)
+    with results_path.open("a") as f:
+      f.write(json.dumps(row) + "\n")
+  plots.write_report(rows, workdir)
+  return rows
+
+
+def make_row(point, stats, elapsed, base_time, base_stats, sc) -> dict:
+  gamma = point["gamma"]
+  alpha = stats["alpha_hat"]
+  tokens_per_s = stats["committed"] / elapsed
+  base_tokens_per_s = base_stats["committed"] / base_time
+  predicted = float(ledger.predicted_speedup(alpha, gamma, sc["c"], sc["v"]))
+  return dict(
+      point,
+      rows=stats["rows"], rounds=stats["rounds"], target_calls=stats["target_calls"],
+      drafted=stats["drafted"], accepted=stats["accepted"], committed=stats["committed"],
+      acceptance_rate=stats["acceptance_rate"], alpha_hat=alpha,
+      alpha_positions=ledger.alpha_from_positions(stats["accepted_at"], stats["rounds"]),
+      tokens_per_round=stats["tokens_per_round"],
+      tokens_per_target_call=stats["tokens_per_target_call"],
+      expected_tokens=float(ledger.expected_tokens(alpha, gamma)),
+      acceptance_by_position=stats["acceptance_by_position"],
+      committed_hist=stats["committed_hist"],
+      seconds=elapsed, tokens_per_s=tokens_per_s,
+      target_only_tokens_per_s=base_tokens_per_s,
+      speedup=tokens_per_s / base_tokens_per_s,
+      c=sc["c"], v=sc["v"], target_step_ms=sc["target_step_s"] * 1e3,
+      draft_propose_ms=sc["propose_s"] * 1e3,
+      predicted_speedup=predicted,
+  )
+
+
+def main(argv):
+  del argv
+  run_sweep(_CONFIG.value, _WORKDIR.value)
+
+
+if __name__ == "__main__":
+  app.run(main)
