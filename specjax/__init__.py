@@ -2,3 +2,7 @@
 from specjax.config import ModelConfig
 from specjax.generation import GenerateResult, generate
 from specjax.model import Model, init_model
+from specjax.pretrained import load_pretrained
+
+__all__ = ["GenerateResult", "Model", "ModelConfig", "generate", "init_model",
+           "load_pretrained"]
