@@ -16,7 +16,6 @@ from absl import app
 from absl import flags
 from absl import logging
 from ml_collections import config_flags
-import numpy as np
 import tqdm
 
 from experiments import common

@@ -143,7 +143,7 @@ def prefill(target_config, drafter, target_params, draft_params, tokens, prompt_
   head = tokens[:, :prompt_width]
   target_kv = kv_cache.init_kv(target_config, batch, cache_size)
   _, target_kv = model_lib.forward_cached(model_lib.graphdef_for(target_config), target_params,
-                                          head, target_kv)
+                                          head, target_kv, empty=True)
   draft_state = drafter.init(batch, cache_size)
   draft_state = drafter.prefill(draft_params, draft_state, head, prompt_len)
   return DecodeState(

@@ -17,7 +17,6 @@ each y was drawn from (one-hot for token-only drafts).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -68,8 +67,8 @@ class ModelDrafter:
   def init(self, batch, size):
     return kv_cache.init_kv(self.config, batch, size)
 
-  def prefill(self, params, kv, tokens, n):
-    _, kv = model_lib.forward_cached(self.graphdef, params, tokens, kv)
+  def prefill(self, params, kv, tokens, n):  # kv comes fresh from `init`
+    _, kv = model_lib.forward_cached(self.graphdef, params, tokens, kv, empty=True)
     return kv.rollback(n - 1)
 
   def _draw(self, key, logits, sampling):

@@ -83,8 +83,12 @@ class Attention(nnx.Module):
     self.qkv = _dense(rngs, cfg.d_model, (h + 2 * kvh) * d, cfg.qkv_bias, 0.02)
     self.out = _dense(rngs, h * d, cfg.d_model, cfg.out_bias, 0.02 / (2 * cfg.n_layers) ** 0.5)
 
-  def __call__(self, x, positions, cache=None):
-    """x: [B, T, d_model]; positions: int[B, T]; cache: (k, v, length) or None."""
+  def __call__(self, x, positions, cache=None, read_cache=True):
+    """x: [B, T, d_model]; positions: int[B, T]; cache: (k, v, length) or None.
+
+    read_cache=False writes the cache without attending over it: for a prefill into an
+    empty cache, where reading would only make XLA constant-fold the zero buffers.
+    """
     cfg = self.cfg
     b, t, _ = x.shape
     h, kvh, d = cfg.n_heads, cfg.kv_heads, cfg.dim_per_head
@@ -96,7 +100,7 @@ class Attention(nnx.Module):
       q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
     if cache is None:
       return self.out(attend(q, k, v)), None
-    out = attend(q, k, v, cache)
+    out = attend(q, k, v, cache if read_cache else None)
     k_buf, v_buf, length = cache
     # The write depends on the attention output, so XLA must read the old buffers first
     # and may then update them in place; otherwise it copies both caches every step.
@@ -133,8 +137,8 @@ class Block(nnx.Module):
     self.mlp_norm = _norm(cfg, rngs)
     self.mlp = MLP(cfg, rngs)
 
-  def __call__(self, x, positions, cache=None):
-    attn_out, cache = self.attn(self.attn_norm(x), positions, cache)
+  def __call__(self, x, positions, cache=None, read_cache=True):
+    attn_out, cache = self.attn(self.attn_norm(x), positions, cache, read_cache)
     x = x + attn_out
     return x + self.mlp(self.mlp_norm(x)), cache
 
@@ -153,7 +157,8 @@ class Transformer(nnx.Module):
     if not cfg.tie_embeddings:
       self.lm_head = _dense(rngs, cfg.d_model, cfg.vocab_size, False, 0.02)
 
-  def __call__(self, tokens, positions, kv: kv_cache.KVState | None = None):
+  def __call__(self, tokens, positions, kv: kv_cache.KVState | None = None,
+               read_cache: bool = True):
     """tokens, positions: int[B, T] -> (logits float32[B, T, V], new k/v per layer)."""
     x = self.embed(tokens)
     if self.cfg.position == "learned":
@@ -162,7 +167,7 @@ class Transformer(nnx.Module):
     ks, vs = [], []
     for i, block in enumerate(self.blocks):
       cache = None if kv is None else (kv.k[i], kv.v[i], kv.length)
-      x, new_cache = block(x, positions, cache)
+      x, new_cache = block(x, positions, cache, read_cache)
       if new_cache is not None:
         ks.append(new_cache[0])
         vs.append(new_cache[1])
@@ -197,17 +202,21 @@ def forward(graphdef, params: Params, tokens: jax.Array) -> jax.Array:
   return logits
 
 
-def forward_cached(graphdef, params: Params, tokens: jax.Array, kv: kv_cache.KVState):
-  """Feeds tokens int[B, T] at each row's own `kv.length`; returns (logits, kv + T)."""
+def forward_cached(graphdef, params: Params, tokens: jax.Array, kv: kv_cache.KVState,
+                   empty: bool = False):
+  """Feeds tokens int[B, T] at each row's own `kv.length`; returns (logits, kv + T).
+
+  empty=True promises every row's length is 0 (a prefill), so the cache is not read.
+  """
   module = merge(graphdef, params)
   t = tokens.shape[1]
   positions = kv.length[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-  logits, (ks, vs) = module(tokens, positions, kv)
+  logits, (ks, vs) = module(tokens, positions, kv, read_cache=not empty)
   return logits, kv_cache.KVState(k=ks, v=vs, length=kv.length + t)
 
 
 forward_jit = jax.jit(forward, static_argnums=0)
-forward_cached_jit = jax.jit(forward_cached, static_argnums=0)
+forward_cached_jit = jax.jit(forward_cached, static_argnums=0, static_argnames="empty")
 
 
 def count_params(params: Params) -> int:

@@ -1,10 +1,7 @@
 """Autoregressive `specjax.generate`: greedy oracle, stops, one compile per sweep, bad input."""
 
 import chex
-import jax
 import jax.numpy as jnp
-import numpy as np
-import pytest
 from absl.testing import parameterized
 
 import specjax

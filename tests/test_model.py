@@ -4,7 +4,6 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from absl.testing import parameterized
 
 import specjax

@@ -4,7 +4,6 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl.testing import parameterized
 
 from specjax.sampling import process_logits, sample
 
