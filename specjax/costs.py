@@ -56,7 +56,8 @@ def propose_cost(drafter, draft_params, batch: int, vocab_size: int, context: in
   if sampling is None:
     sampling = Sampling(temperature=jnp.ones((batch,)), top_k=jnp.zeros((batch,), jnp.int32),
                         top_p=jnp.ones((batch,)), max_new=jnp.zeros((batch,), jnp.int32),
-                        eos_ids=jnp.array([-1], jnp.int32))
+                        stop_seqs=jnp.zeros((1, 1), jnp.int32),
+                        stop_lens=jnp.zeros((1,), jnp.int32))
   tokens = jax.random.randint(jax.random.PRNGKey(0), (batch, cache_size), 0, vocab_size)
   n = jnp.full((batch,), context, jnp.int32)
 

@@ -33,7 +33,8 @@ class Sampling:
   top_k: jax.Array  # int32[B]; 0 = off
   top_p: jax.Array  # float32[B]; 1 = off
   max_new: jax.Array  # int32[B]
-  eos_ids: jax.Array  # int32[E]; -1 entries never match
+  stop_seqs: jax.Array  # int32[K, L] stop sequences, right-aligned; EOS ids are length 1
+  stop_lens: jax.Array  # int32[K]; a length-0 row never matches
 
 
 @flax.struct.dataclass
@@ -70,19 +71,35 @@ def _init_stats(batch, gamma):
 
 
 def _commit_length(new, n_accepted, state: DecodeState, sampling: Sampling, max_len):
-  """How many of the γ+1 candidate tokens to commit, and whether the row stops."""
+  """How many of the γ+1 candidate tokens to commit, and whether the row stops.
+
+  The commit ends at the budget, the context limit, or just after the first token that
+  completes a stop sequence (EOS is a stop sequence of length 1) lying wholly inside the
+  generated text; the stop tokens themselves are emitted.
+  """
   width = new.shape[1]
   generated = state.n - state.prompt_len
   room = jnp.minimum(sampling.max_new - generated, max_len - state.n)
   count = jnp.minimum(n_accepted + 1, room)
+  span = sampling.stop_seqs.shape[1]
+  # The last span-1 committed tokens, then the candidates: windows ending at each candidate.
+  history = jnp.take_along_axis(state.tokens, state.n[:, None] - (span - 1)
+                                + jnp.arange(span - 1)[None, :], axis=1, mode="clip")
+  seq = jnp.concatenate([history, new], axis=1)  # [B, span-1+width]
+  windows = jnp.stack([seq[:, j:j + span] for j in range(width)], axis=1)  # [B, width, span]
+  col = jnp.arange(span)
+  in_seq = col[None, :] >= span - sampling.stop_lens[:, None]  # [K, span]
+  same = (windows[:, :, None, :] == sampling.stop_seqs[None, None]) | ~in_seq[None, None]
   idx = jnp.arange(width)[None, :]
-  is_eos = jnp.any(new[:, :, None] == sampling.eos_ids[None, None, :], axis=-1)
-  is_eos &= idx < count[:, None]
-  hit_eos = jnp.any(is_eos, axis=1)
-  count = jnp.where(hit_eos, jnp.argmax(is_eos, axis=1) + 1, count)
+  starts = state.n[:, None] + idx  # absolute index of each candidate
+  inside = (starts[:, :, None] - sampling.stop_lens[None, None, :] + 1
+            >= state.prompt_len[:, None, None])
+  hit = jnp.any(jnp.all(same, axis=-1) & inside & (sampling.stop_lens > 0), axis=-1)
+  hit &= idx < count[:, None]
+  stopped = jnp.any(hit, axis=1)
+  count = jnp.where(stopped, jnp.argmax(hit, axis=1) + 1, count)
   count = jnp.where(state.done, 0, count)
-  stop = hit_eos | (count >= room)
-  return count, stop
+  return count, stopped | (count >= room)
 
 
 def decode_round(target_config, drafter, target_params, draft_params, state: DecodeState,

@@ -117,8 +117,36 @@ def summarize_stats(state: decode_lib.DecodeState, gamma: int) -> dict[str, Any]
   }
 
 
+def _stop_table(target: Model, eos_id, stop_sequences):
+  """EOS ids and stop sequences as one right-aligned table [K, L] plus lengths [K]."""
+  vocab = target.config.vocab_size
+  eos = [] if eos_id is None else ([eos_id] if np.ndim(eos_id) == 0 else list(eos_id))
+  for e in eos:
+    if not 0 <= int(e) < vocab:
+      raise ValueError(f"eos_id {e} is outside the vocabulary [0, {vocab})")
+  seqs = [[int(e)] for e in eos]
+  for i, stop in enumerate(stop_sequences or []):
+    if isinstance(stop, str):
+      if target.tokenizer is None:
+        raise ValueError(f"stop sequence {i} is a string but the target has no tokenizer")
+      stop = target.tokenizer.encode(stop)
+    stop = [int(t) for t in stop]
+    if not stop:
+      raise ValueError(f"stop sequence {i} is empty")
+    if any(not 0 <= t < vocab for t in stop):
+      raise ValueError(f"stop sequence {i} has token ids outside the vocabulary [0, {vocab})")
+    seqs.append(stop)
+  span = max([len(s) for s in seqs] + [1])
+  table = np.zeros((max(len(seqs), 1), span), np.int32)
+  lens = np.zeros((max(len(seqs), 1),), np.int32)
+  for k, stop in enumerate(seqs):
+    table[k, span - len(stop):] = stop
+    lens[k] = len(stop)
+  return jnp.asarray(table), jnp.asarray(lens)
+
+
 def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p, eos_id,
-            draft=None, gamma=4, drafter=None, draft_sample="probabilistic",
+            stop_sequences=None, draft=None, gamma=4, drafter=None, draft_sample="probabilistic",
             ngram_min=1, ngram_max=4):
   """Validates everything and returns the engine's static and traced arguments."""
   prompts = _check_prompts(prompts, target)
@@ -139,10 +167,7 @@ def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p
   if top_k_arr.dtype.kind not in "iu" or np.any(top_k_arr < 0):
     raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
   top_k = _per_row("top_k", top_k_arr, batch, np.int32)
-  eos = [] if eos_id is None else ([eos_id] if np.ndim(eos_id) == 0 else list(eos_id))
-  for e in eos:
-    if not 0 <= int(e) < target.config.vocab_size:
-      raise ValueError(f"eos_id {e} is outside the vocabulary [0, {target.config.vocab_size})")
+  stop_seqs, stop_lens = _stop_table(target, eos_id, stop_sequences)
   drafter_obj = make_drafter(target, draft, drafter, gamma, draft_sample, ngram_min, ngram_max)
   if isinstance(drafter_obj, drafters_lib.ModelDrafter):
     if draft.config.max_len < longest + max_new_tokens:
@@ -159,7 +184,7 @@ def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p
       temperature=jnp.asarray(temperature), top_k=jnp.asarray(top_k),
       top_p=jnp.asarray(top_p),
       max_new=jnp.full((batch,), max_new_tokens, jnp.int32),
-      eos_ids=jnp.asarray(np.array(eos + [-1], np.int32)))
+      stop_seqs=stop_seqs, stop_lens=stop_lens)
   return dict(drafter=drafter_obj, prompt_width=prompt_width, cache_size=cache_size,
               tokens=jnp.asarray(tokens),
               prompt_len=jnp.asarray([len(p) for p in prompts], jnp.int32),
@@ -168,7 +193,8 @@ def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p
 
 
 def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.0, top_k=0,
-             top_p=1.0, seed: int = 0, eos_id=None, draft: Model | None = None,
+             top_p=1.0, seed: int = 0, eos_id=None, stop_sequences=None,
+             draft: Model | None = None,
              gamma: int = 4, drafter: str | None = None,
              draft_sample: str = "probabilistic", ngram_min: int = 1,
              ngram_max: int = 4) -> GenerateResult:
@@ -188,6 +214,8 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
       draft; scalars or one value per prompt. temperature 0 is exact greedy.
     seed: PRNG seed; rows draw independent random numbers from it.
     eos_id: an id (or list of ids) that ends a row; it is emitted, nothing after it.
+    stop_sequences: token-id lists (or strings, encoded with the target's tokenizer) that
+      end a row once generated; emitted like EOS. A match must lie in the new tokens.
     draft: the draft model (same vocabulary as the target).
     gamma: draft tokens proposed per round.
     drafter: 'model', 'ngram' (prompt lookup, no draft model) or None (infer).
@@ -195,7 +223,8 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
     ngram_min, ngram_max: suffix lengths the n-gram drafter tries.
   """
   args = prepare(target, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                 top_k=top_k, top_p=top_p, eos_id=eos_id, draft=draft, gamma=gamma,
+                 top_k=top_k, top_p=top_p, eos_id=eos_id, stop_sequences=stop_sequences,
+                 draft=draft, gamma=gamma,
                  drafter=drafter, draft_sample=draft_sample, ngram_min=ngram_min,
                  ngram_max=ngram_max)
   state = decode_lib.decode(

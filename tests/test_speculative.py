@@ -173,6 +173,29 @@ class StopTest(parameterized.TestCase):
       if eos in got:
         self.assertEqual(got.index(eos), len(got) - 1)  # nothing after EOS
 
+  @parameterized.named_parameters(("autoregressive", {}), ("speculative", dict(gamma=4)))
+  def test_stop_sequence(self, spec):
+    target = tiny_model(vocab=16, n_layers=2, seed=3)
+    plain = specjax.generate(target, PROMPTS, max_new_tokens=12).tokens
+    stop = plain[1][3:5]  # two tokens generated for prompt 1
+    if spec:
+      spec = dict(spec, draft=target)  # fully accepted runs: the stop lands inside one
+    res = specjax.generate(target, PROMPTS, max_new_tokens=12, stop_sequences=[stop], **spec)
+    for want, got in zip(plain, res.tokens):
+      ends = [i + 2 for i in range(len(want) - 1) if want[i:i + 2] == stop]
+      self.assertEqual(got, want[:ends[0]] if ends else want)
+    self.assertEqual(res.tokens[1][-2:], stop)
+
+  def test_stop_sequence_needs_generated_tokens(self):
+    target = tiny_model(vocab=16, n_layers=2, seed=3)
+    prompt = [1, 2, 3]
+    first = specjax.generate(target, [prompt], max_new_tokens=6).tokens[0]
+    stop = [3, first[0]]  # matches across the prompt boundary: that must not stop the row
+    res = specjax.generate(target, [prompt], max_new_tokens=6, stop_sequences=[stop]).tokens[0]
+    ends = [i + 2 for i in range(len(first) - 1) if first[i:i + 2] == stop]
+    self.assertEqual(res, first[:ends[0]] if ends else first)
+    self.assertGreater(len(res), 1)
+
   @parameterized.parameters(1, 2, 7, 13)
   def test_max_new_tokens_is_exact(self, max_new):
     target, draft = target_and_draft()
@@ -260,7 +283,9 @@ class SpeculativeBadInputTest(parameterized.TestCase):
       ("vocab", dict(draft="other_vocab"), "vocabularies differ"),
       ("draft_sample", dict(draft="draft", draft_sample="top1"), "draft_sample"),
       ("ngram_sizes", dict(drafter="ngram", ngram_min=3, ngram_max=2), "ngram"),
-      ("draft_context", dict(draft="short", prompts=[[1] * 20]), "draft's context"))
+      ("draft_context", dict(draft="short", prompts=[[1] * 20]), "draft's context"),
+      ("empty_stop", dict(stop_sequences=[[]]), "stop sequence 0 is empty"),
+      ("stop_vocab", dict(stop_sequences=[[1, 99]]), "stop sequence 0"))
   def test_raises(self, kwargs, message):
     target, draft = target_and_draft()
     models = {"draft": draft, "other_vocab": tiny_model(vocab=9, seed=2),
