@@ -64,15 +64,13 @@ def timed_generate(target, prompts, batch_size: int, repeats: int, **kwargs):
 def merge_stats(stats: list[dict]) -> dict:
   """Sums the counters of several generate calls and recomputes the rates."""
   out = dict(stats[0])
-  for key in ("rows", "rounds", "target_calls", "drafted", "accepted", "committed"):
+  for key in ("rows", "rounds", "target_calls", "drafted", "accepted", "committed",
+              "overlap_sum", "overlap_count"):
     out[key] = sum(s[key] for s in stats)
   for key in ("accepted_at", "committed_hist"):
     out[key] = [int(x) for x in np.sum([s[key] for s in stats], axis=0)]
-  weights = [s["rounds"] for s in stats]
-  alphas = [s["alpha_hat"] for s in stats]
-  valid = [(a, w) for a, w in zip(alphas, weights) if a == a]
-  out["alpha_hat"] = (sum(a * w for a, w in valid) / sum(w for _, w in valid)
-                      if valid else float("nan"))
+  out["alpha_hat"] = (out["overlap_sum"] / out["overlap_count"] if out["overlap_count"]
+                      else float("nan"))
   out["acceptance_rate"] = out["accepted"] / out["drafted"] if out["drafted"] else float("nan")
   out["tokens_per_round"] = out["committed"] / out["rounds"]
   out["tokens_per_target_call"] = out["tokens_per_round"]

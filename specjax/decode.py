@@ -79,7 +79,9 @@ def _commit_length(new, n_accepted, state: DecodeState, sampling: Sampling, max_
   """
   width = new.shape[1]
   generated = state.n - state.prompt_len
-  room = jnp.minimum(sampling.max_new - generated, max_len - state.n)
+  # The next round writes up to index n + γ of the buffers: stop before they would overflow.
+  capacity = state.tokens.shape[1] - width - state.n
+  room = jnp.minimum(jnp.minimum(sampling.max_new - generated, max_len - state.n), capacity)
   count = jnp.minimum(n_accepted + 1, room)
   span = sampling.stop_seqs.shape[1]
   # The last span-1 committed tokens, then the candidates: windows ending at each candidate.

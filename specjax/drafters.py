@@ -76,7 +76,10 @@ class ModelDrafter:
       y = jnp.argmax(logits, axis=-1).astype(jnp.int32)
       return y, jax.nn.one_hot(y, logits.shape[-1], dtype=jnp.float32)
     q = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-    return sample(key, q), q
+    # At temperature 0 q is one-hot: skip the V random numbers a draw would cost.
+    y = jax.lax.cond(jnp.all(sampling.temperature <= 0),
+                     lambda: jnp.argmax(q, axis=-1).astype(jnp.int32), lambda: sample(key, q))
+    return y, q
 
   def propose(self, params, kv, tokens, n, key, sampling):
     # After a fully accepted round the draft never saw y_γ, so its cache may be one

@@ -29,10 +29,39 @@ def _round_up(x: int, multiple: int) -> int:
   return -(-x // multiple) * multiple
 
 
-def _per_row(name, value, batch, dtype):
-  arr = np.asarray(value, dtype=dtype)
+def _is_int(x) -> bool:
+  return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _int_at_least(name, value, low) -> int:
+  if not _is_int(value) or value < low:
+    raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+  return int(value)
+
+
+def _token_ids(name, ids, vocab) -> list[int]:
+  """A flat sequence of ints in [0, vocab); bools, floats and nesting are refused."""
+  if isinstance(ids, (str, bytes)) or not isinstance(ids, (Sequence, np.ndarray)):
+    raise ValueError(f"{name} must be a list of token ids, got {ids!r}")
+  ids = list(ids)
+  bad = [t for t in ids if not _is_int(t)]
+  if bad:
+    raise ValueError(f"{name} must hold integer token ids, got {bad[:5]}")
+  out_of_range = [int(t) for t in ids if not 0 <= t < vocab]
+  if out_of_range:
+    raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab}): "
+                     f"{out_of_range[:5]}")
+  return [int(t) for t in ids]
+
+
+def _per_row(name, value, batch, kind):
+  """A scalar or one value per prompt, as a [batch] array; bools are refused."""
+  arr = np.asarray(value)
+  if arr.dtype.kind not in kind:
+    raise ValueError(f"{name} must be {'an int' if kind == 'iu' else 'a number'} "
+                     f"(or one per prompt), got {value!r}")
   if arr.ndim == 0:
-    arr = np.full((batch,), arr, dtype=dtype)
+    arr = np.full((batch,), arr)
   if arr.shape != (batch,):
     raise ValueError(f"{name} must be a scalar or one value per prompt ({batch}), "
                      f"got shape {arr.shape}")
@@ -40,22 +69,20 @@ def _per_row(name, value, batch, dtype):
 
 
 def _check_prompts(prompts, model: Model) -> list[list[int]]:
+  if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
+    prompts = list(prompts)
   if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
     raise ValueError("prompts must be a non-empty list of prompts (lists of token ids, "
                      "or strings when the target has a tokenizer)")
-  vocab = model.config.vocab_size
   out = []
   for i, prompt in enumerate(prompts):
     if isinstance(prompt, str):
       if model.tokenizer is None:
         raise ValueError(f"prompt {i} is a string but the target has no tokenizer")
       prompt = model.tokenizer.encode(prompt)
-    prompt = [int(t) for t in prompt]
+    prompt = _token_ids(f"prompt {i}", prompt, model.config.vocab_size)
     if not prompt:
       raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
-    bad = [t for t in prompt if not 0 <= t < vocab]
-    if bad:
-      raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
     out.append(prompt)
   return out
 
@@ -69,14 +96,12 @@ def make_drafter(target: Model, draft: Model | None, drafter: str | None, gamma:
     return drafters_lib.NoDrafter(vocab_size=target.config.vocab_size)
   if drafter not in DRAFTERS:
     raise ValueError(f"drafter must be one of {DRAFTERS} (or None), got {drafter!r}")
-  if not isinstance(gamma, (int, np.integer)) or isinstance(gamma, bool) or gamma < 1:
-    raise ValueError(f"gamma (draft length) must be an int >= 1, got {gamma!r}")
+  gamma = _int_at_least("gamma (draft length)", gamma, 1)
   if drafter == "ngram":
-    if not (isinstance(ngram_min, int) and isinstance(ngram_max, int)
-            and 1 <= ngram_min <= ngram_max):
+    if not (_is_int(ngram_min) and _is_int(ngram_max) and 1 <= ngram_min <= ngram_max):
       raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {ngram_min}, {ngram_max}")
-    return drafters_lib.NgramDrafter(vocab_size=target.config.vocab_size, gamma=int(gamma),
-                                     min_n=ngram_min, max_n=ngram_max)
+    return drafters_lib.NgramDrafter(vocab_size=target.config.vocab_size, gamma=gamma,
+                                     min_n=int(ngram_min), max_n=int(ngram_max))
   if draft is None:
     raise ValueError("drafter='model' needs a draft model: pass draft=<Model>")
   if draft.config.vocab_size != target.config.vocab_size:
@@ -84,8 +109,7 @@ def make_drafter(target: Model, draft: Model | None, drafter: str | None, gamma:
                      f"{draft.config.vocab_size}, target vocab_size={target.config.vocab_size}")
   if draft_sample not in DRAFT_SAMPLE_MODES:
     raise ValueError(f"draft_sample must be one of {DRAFT_SAMPLE_MODES}, got {draft_sample!r}")
-  return drafters_lib.ModelDrafter(config=draft.config, gamma=int(gamma),
-                                   sample_mode=draft_sample)
+  return drafters_lib.ModelDrafter(config=draft.config, gamma=gamma, sample_mode=draft_sample)
 
 
 def summarize_stats(state: decode_lib.DecodeState, gamma: int) -> dict[str, Any]:
@@ -107,8 +131,11 @@ def summarize_stats(state: decode_lib.DecodeState, gamma: int) -> dict[str, Any]
       "acceptance_rate": accepted / drafted if drafted else float("nan"),
       "alpha_hat": float(np.sum(s.overlap_sum)) / overlap_count if overlap_count
                    else float("nan"),
+      # Per sequence: every round is one target call for each live row.
       "tokens_per_round": committed / rounds if rounds else float("nan"),
-      "tokens_per_target_call": committed / target_calls if target_calls else float("nan"),
+      "tokens_per_target_call": committed / rounds if rounds else float("nan"),
+      "overlap_sum": float(np.sum(s.overlap_sum)),
+      "overlap_count": overlap_count,
       "accepted_at": [int(x) for x in accepted_at],
       # P(position i accepted | the round reached it)
       "acceptance_by_position": [float(a / r) if r else float("nan") for a, r in
@@ -121,20 +148,17 @@ def _stop_table(target: Model, eos_id, stop_sequences):
   """EOS ids and stop sequences as one right-aligned table [K, L] plus lengths [K]."""
   vocab = target.config.vocab_size
   eos = [] if eos_id is None else ([eos_id] if np.ndim(eos_id) == 0 else list(eos_id))
-  for e in eos:
-    if not 0 <= int(e) < vocab:
-      raise ValueError(f"eos_id {e} is outside the vocabulary [0, {vocab})")
-  seqs = [[int(e)] for e in eos]
-  for i, stop in enumerate(stop_sequences or []):
+  seqs = [_token_ids("eos_id", [e], vocab) for e in eos]
+  if isinstance(stop_sequences, (str, bytes)):  # one stop string, not a list of characters
+    stop_sequences = [stop_sequences]
+  for i, stop in enumerate([] if stop_sequences is None else list(stop_sequences)):
     if isinstance(stop, str):
       if target.tokenizer is None:
         raise ValueError(f"stop sequence {i} is a string but the target has no tokenizer")
       stop = target.tokenizer.encode(stop)
-    stop = [int(t) for t in stop]
+    stop = _token_ids(f"stop sequence {i}", stop, vocab)
     if not stop:
       raise ValueError(f"stop sequence {i} is empty")
-    if any(not 0 <= t < vocab for t in stop):
-      raise ValueError(f"stop sequence {i} has token ids outside the vocabulary [0, {vocab})")
     seqs.append(stop)
   span = max([len(s) for s in seqs] + [1])
   table = np.zeros((max(len(seqs), 1), span), np.int32)
@@ -151,22 +175,22 @@ def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p
   """Validates everything and returns the engine's static and traced arguments."""
   prompts = _check_prompts(prompts, target)
   batch = len(prompts)
-  if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+  max_new_tokens = _int_at_least("max_new_tokens", max_new_tokens, 1)
   longest = max(len(p) for p in prompts)
   if longest + max_new_tokens > target.config.max_len:
     raise ValueError(f"prompt length {longest} + max_new_tokens {max_new_tokens} exceeds the "
                      f"target's context max_len={target.config.max_len}")
-  temperature = _per_row("temperature", temperature, batch, np.float32)
+  temperature = _per_row("temperature", temperature, batch, "iuf").astype(np.float32)
   if not np.all(np.isfinite(temperature)) or np.any(temperature < 0):
     raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature.tolist()}")
-  top_p = _per_row("top_p", top_p, batch, np.float32)
+  top_p = _per_row("top_p", top_p, batch, "iuf").astype(np.float32)
   if not np.all((top_p > 0) & (top_p <= 1)):
     raise ValueError(f"top_p must be in (0, 1], got {top_p.tolist()}")
-  top_k_arr = np.asarray(top_k)
-  if top_k_arr.dtype.kind not in "iu" or np.any(top_k_arr < 0):
-    raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
-  top_k = _per_row("top_k", top_k_arr, batch, np.int32)
+  top_k = _per_row("top_k", top_k, batch, "iu")
+  if np.any(top_k < 0):
+    raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k.tolist()}")
+  # k >= vocab keeps everything; clipping first keeps huge k from wrapping in int32.
+  top_k = np.minimum(top_k, target.config.vocab_size).astype(np.int32)
   stop_seqs, stop_lens = _stop_table(target, eos_id, stop_sequences)
   drafter_obj = make_drafter(target, draft, drafter, gamma, draft_sample, ngram_min, ngram_max)
   if isinstance(drafter_obj, drafters_lib.ModelDrafter):
@@ -222,6 +246,9 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
     draft_sample: 'probabilistic' (sample from q) or 'greedy' (argmax, one-hot q).
     ngram_min, ngram_max: suffix lengths the n-gram drafter tries.
   """
+  seed = _int_at_least("seed", seed, 0)
+  if seed >= 2 ** 32:  # PRNGKey keeps 32 bits: larger seeds would collide with small ones
+    raise ValueError(f"seed must be < 2**32, got {seed}")
   args = prepare(target, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                  top_k=top_k, top_p=top_p, eos_id=eos_id, stop_sequences=stop_sequences,
                  draft=draft, gamma=gamma,

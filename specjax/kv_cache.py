@@ -52,5 +52,9 @@ def write(buffer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
 
 def write_kv(buffer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
   """buffer [B, H, S, D] gets new [B, T, H, D] at slots start[b]..; overflow is dropped."""
-  upd = new.astype(buffer.dtype).swapaxes(1, 2)
-  return jax.vmap(lambda buf, u, s: jax.lax.dynamic_update_slice(buf, u, (0, s, 0)))(buffer, upd, start)
+  b, t = new.shape[:2]
+  rows = jnp.arange(b)[:, None]
+  cols = start[:, None] + jnp.arange(t)[None, :]
+  # Advanced indices split by a slice index as [B, T, H, D]: the layout `new` has.
+  # A scatter, not dynamic_update_slice, which would shift an overflowing write left.
+  return buffer.at[rows, :, cols].set(new.astype(buffer.dtype), mode="drop")

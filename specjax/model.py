@@ -104,7 +104,7 @@ class Attention(nnx.Module):
     k_buf, v_buf, length = cache
     # The write depends on the attention output, so XLA must read the old buffers first
     # and may then update them in place; otherwise it copies both caches every step.
-    zero = jnp.zeros((), k.dtype) * out[0, 0, 0]
+    zero = (0 * out[:, :1, :1])[..., None]  # [B, 1, 1, 1]: each row waits on its own read
     k_buf = kv_cache.write_kv(k_buf, k + zero, length)
     v_buf = kv_cache.write_kv(v_buf, v + zero, length)
     return self.out(out), (k_buf, v_buf)

@@ -33,12 +33,13 @@ def process_logits(logits: jax.Array, temperature, top_k, top_p) -> jax.Array:
   top_p = _param(top_p, lead, jnp.float32)[..., None]
 
   greedy = temperature <= 0.0
-  scaled = logits / jnp.where(greedy, 1.0, temperature)
+  # Shifting by the max first keeps tiny temperatures from overflowing to inf - inf.
+  shifted = logits - jnp.max(logits, axis=-1, keepdims=True)
+  scaled = shifted / jnp.where(greedy, 1.0, temperature)
   filtered = jax.lax.cond(jnp.any(top_k > 0) | jnp.any(top_p < 1.0),
                           _filter_top_k_top_p, lambda s, k, p: s, scaled, top_k, top_p)
-  probs = jax.nn.softmax(filtered, axis=-1)
   one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=jnp.float32)
-  return jnp.where(greedy, one_hot, probs)
+  return jnp.where(greedy, one_hot, jax.nn.softmax(filtered, axis=-1))
 
 
 # Sorting the whole vocabulary is slow on XLA:CPU (~0.7 ms for 5 x 2048). The cut almost
@@ -103,5 +104,11 @@ def _largest_cut(values, weights, target):
 
 
 def sample(key: jax.Array, probs: jax.Array) -> jax.Array:
-  """Draws one index per distribution along the last axis (zero-probability entries never)."""
+  """Draws one index per distribution along the last axis (zero-probability entries never).
+
+  Gumbel-max with one noise value per token: exact to float32 rounding for every token.
+  (An inverse CDF with one uniform is ~8x cheaper on XLA:CPU but quantises every
+  probability to the uniform's 2^-23 grid: a total-variation error of ~1e-3 at a
+  50k-token vocabulary, which would break the lossless guarantee.)
+  """
   return jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32)

@@ -2,6 +2,7 @@
 
 import chex
 import jax.numpy as jnp
+import numpy as np
 from absl.testing import parameterized
 
 import specjax
@@ -67,15 +68,32 @@ class AutoregressiveTest(parameterized.TestCase):
       return original(*args, **kwargs)
 
     decode_lib.run_loop = chex.assert_max_traces(counting, n=1)
+    decode_lib.decode.clear_cache()  # the first call below must trace
     try:
       for temperature in (0.0, 0.5, 1.0, 1.5):
         for top_p in (1.0, 0.9, 0.5):
-          # max_new_tokens=23 gives shapes no other test uses, so the first call traces.
           specjax.generate(model, [[1, 2, 3]], max_new_tokens=23, temperature=temperature,
                            top_p=top_p, top_k=3 if top_p < 1 else 0, seed=1)
     finally:
       decode_lib.run_loop = original
     self.assertEqual(len(traced), 1)
+
+  def test_stats_are_per_sequence(self):
+    model = tiny_model(vocab=16, n_layers=1, seed=4)
+    s = specjax.generate(model, [[1, 2]] * 4, max_new_tokens=5).stats
+    self.assertEqual((s["rows"], s["rounds"], s["target_calls"]), (4, 20, 5))
+    self.assertEqual(s["tokens_per_target_call"], 1.0)
+
+  def test_lenient_but_exact_inputs(self):
+    model = tiny_model(vocab=16, n_layers=1, seed=4)
+    want = specjax.generate(model, [[1, 2]], max_new_tokens=4).tokens
+    # numpy prompts and ints, a huge top_k (= off) and a tiny temperature all work.
+    self.assertEqual(specjax.generate(model, np.array([[1, 2]]), max_new_tokens=np.int64(4),
+                                      top_k=2 ** 40).tokens, want)
+    self.assertEqual(specjax.generate(model, [[1, 2]], max_new_tokens=4, temperature=1.2e-38,
+                                      seed=3).stats["committed"], 4)
+    res = specjax.generate(model, [[1, 2]], max_new_tokens=4, temperature=1e-30)
+    self.assertEqual(res.tokens, want)  # the limit of T -> 0 is greedy, never NaN
 
   def test_texts_need_a_tokenizer(self):
     model = tiny_model(vocab=16)
@@ -99,6 +117,13 @@ class BadInputTest(parameterized.TestCase):
       ("max_new", dict(max_new_tokens=0), "max_new_tokens"),
       ("eos", dict(eos_id=99), "eos_id"),
       ("per_row_shape", dict(temperature=[1.0, 0.5]), "one value per prompt"),
+      ("bool_budget", dict(max_new_tokens=True), "max_new_tokens"),
+      ("bool_temperature", dict(temperature=True), "temperature"),
+      ("float_token", dict(prompts=[[1, 2.5]]), "integer token ids"),
+      ("bool_token", dict(prompts=[[1, True]]), "integer token ids"),
+      ("flat_stops", dict(stop_sequences=[3, 4]), "stop sequence 0"),
+      ("seed_negative", dict(seed=-1), "seed"),
+      ("seed_huge", dict(seed=2 ** 40), "seed"),
   )
   def test_raises_before_any_work(self, kwargs, message):
     model = tiny_model(vocab=16, max_len=64)

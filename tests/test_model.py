@@ -81,6 +81,12 @@ class CachedForwardTest(parameterized.TestCase):
     buf = jnp.zeros((2, 4), jnp.int32)
     out = kv_cache.write(buf, jnp.array([[1, 2, 3], [4, 5, 6]]), jnp.array([0, 2]))
     np.testing.assert_array_equal(out, [[1, 2, 3, 0], [0, 0, 4, 5]])
+    # KV buffers [B, H, S, D] take [B, T, H, D]; an overflowing write must not shift left
+    # onto valid history.
+    kv = jnp.zeros((1, 2, 6, 1))
+    new = jnp.arange(1.0, 4.0)[None, :, None, None] * jnp.array([1.0, 10.0])[None, None, :, None]
+    out = kv_cache.write_kv(kv, new, jnp.array([4]))
+    np.testing.assert_array_equal(out[0, :, :, 0], [[0, 0, 0, 0, 1, 2], [0, 0, 0, 0, 10, 20]])
 
 
 class ConfigTest(parameterized.TestCase):
