@@ -35,7 +35,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   variant = (arg or "").strip()
   if variant == "smoke":
-    c.gamma = (1, 3)
+    c.gamma = (2,)
     c.temperature = (0.0, 1.0)
     c.num_prompts = 2
     c.prompt_tokens = 16

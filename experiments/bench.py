@@ -46,7 +46,8 @@ def bench_point(target, draft, prompts, gamma, batch, temperature, max_new, repe
   if temperature == 0:  # lossless at T=0 means identical text
     assert spec_tokens == base_tokens, "speculative greedy output differs from target greedy"
   context = len(prompts[0]) + max_new // 2
-  sc = common.step_costs(target, draft, "model", gamma, batch, context)
+  sc = common.step_costs(target, draft, "model", gamma, batch, context,
+                         temperature=temperature)
   rounds = 16
   args = prepare(target, prompts[:batch], max_new_tokens=rounds * (gamma + 1),
                  temperature=temperature, top_k=0, top_p=1.0, eos_id=None, draft=draft,

@@ -81,7 +81,8 @@ def merge_stats(stats: list[dict]) -> dict:
 
 
 def step_costs(target, draft, drafter: str, gamma: int, batch: int, context: int,
-               ngram=(1, 4), draft_sample="probabilistic", repeats: int = 3):
+               ngram=(1, 4), draft_sample="probabilistic", repeats: int = 3,
+               temperature: float = 1.0):
   """Measured c (draft step / target step) and v(γ) ((γ+1)-token pass / 1-token pass)."""
   cache = context + gamma + 130
   t1 = costs.forward_cost(target, batch, 1, context=context, cache_size=cache, repeats=repeats)
@@ -94,6 +95,6 @@ def step_costs(target, draft, drafter: str, gamma: int, batch: int, context: int
     obj = drafters_lib.ModelDrafter(draft.config, gamma, draft_sample)
     params = draft.params
   propose = costs.propose_cost(obj, params, batch, target.config.vocab_size, context=context,
-                               repeats=repeats)
+                               repeats=repeats, temperature=temperature)
   return {"target_step_s": t1, "verify_s": tv, "propose_s": propose,
           "c": propose / gamma / t1, "v": tv / t1}

@@ -113,11 +113,12 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True) -> list[dict]:
       baselines[bkey] = common.timed_generate(target, prompts, point["batch_size"],
                                               cfg.timing_repeats, **sampling)
     base_time, base_stats, _ = baselines[bkey]
-    ckey = (point["drafter"], point["gamma"], point["batch_size"])
+    # A greedy draft skips sampling, so its cost depends on whether T is 0.
+    ckey = (point["drafter"], point["gamma"], point["batch_size"], point["temperature"] == 0)
     if ckey not in step_costs:
-      step_costs[ckey] = common.step_costs(target, draft, point["drafter"], point["gamma"],
-                                           point["batch_size"], context,
-                                           (cfg.ngram_min, cfg.ngram_max), cfg.draft_sample)
+      step_costs[ckey] = common.step_costs(
+          target, draft, point["drafter"], point["gamma"], point["batch_size"], context,
+          (cfg.ngram_min, cfg.ngram_max), cfg.draft_sample, temperature=point["temperature"])
     sc = step_costs[ckey]
     spec = dict(sampling, gamma=point["gamma"], drafter=point["drafter"],
                 ngram_min=cfg.ngram_min, ngram_max=cfg.ngram_max)
