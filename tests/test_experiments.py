@@ -1,0 +1,82 @@
+"""The sweep runs end to end (the ':smoke' variant on the shipped pair) and fails fast on
+bad configs."""
+
+import json
+
+import pytest
+
+from configs import sweep as sweep_config
+from experiments import run as run_lib
+from experiments import plots
+
+FIELDS = {"drafter", "gamma", "temperature", "top_p", "batch_size", "rows", "rounds",
+          "target_calls", "drafted", "accepted", "committed", "acceptance_rate", "alpha_hat",
+          "tokens_per_round", "tokens_per_target_call", "expected_tokens", "tokens_per_s",
+          "target_only_tokens_per_s", "speedup", "c", "v", "predicted_speedup",
+          "acceptance_by_position", "committed_hist"}
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("smoke")
+  cfg = sweep_config.get_config("smoke")
+  rows = run_lib.run_sweep(cfg, workdir, progress=False)
+  return cfg, workdir, rows
+
+
+def test_smoke_sweep_writes_everything(smoke):
+  cfg, workdir, rows = smoke
+  grid = (len(cfg.drafter) * len(cfg.gamma) * len(cfg.temperature) * len(cfg.top_p)
+          * len(cfg.batch_size))
+  assert len(rows) == grid
+  on_disk = [json.loads(line) for line in (workdir / "results.jsonl").read_text().splitlines()]
+  assert len(on_disk) == grid
+  assert json.loads((workdir / "config.json").read_text())["gamma"] == list(cfg.gamma)
+  assert "| drafter |" in (workdir / "summary.md").read_text()
+  for name in plots.PLOTS:
+    assert (workdir / name).stat().st_size > 1000, name
+
+
+def test_smoke_counts_agree(smoke):
+  cfg, _, rows = smoke
+  for r in rows:
+    assert FIELDS <= set(r), FIELDS - set(r)
+    assert 0 <= r["accepted"] <= r["drafted"] == r["gamma"] * r["rounds"]
+    # Each round commits its accepted tokens plus one; stops only ever cut that short.
+    assert r["committed"] <= r["accepted"] + r["rounds"]
+    assert r["committed"] == r["rows"] * cfg.max_new_tokens  # stop_at_eos is off
+    assert sum(r["committed_hist"]) == r["rounds"]
+    for key in ("acceptance_rate", "alpha_hat"):
+      assert 0.0 <= r[key] <= 1.0
+    assert all(0.0 <= a <= 1.0 for a in r["acceptance_by_position"] if a == a)
+    assert 1.0 <= r["tokens_per_target_call"] <= r["gamma"] + 1
+    assert r["tokens_per_s"] > 0 and r["target_only_tokens_per_s"] > 0
+    assert r["v"] > 0 and r["c"] >= 0
+
+
+def test_rerun_skips_done_points(smoke):
+  cfg, workdir, rows = smoke
+  again = run_lib.run_sweep(cfg, workdir, progress=False)  # nothing left: no model loads
+  assert again == rows
+  assert len((workdir / "results.jsonl").read_text().splitlines()) == len(rows)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("gamma", (0,), "config.gamma"),
+    ("drafter", ("tree",), "config.drafter"),
+    ("temperature", (-1.0,), "config.temperature"),
+    ("top_p", (0.0,), "config.top_p"),
+    ("batch_size", (0,), "config.batch_size"),
+    ("draft_sample", "top1", "config.draft_sample"),
+])
+def test_bad_config_fails_at_once(tmp_path, field, value, message):
+  cfg = sweep_config.get_config("smoke")
+  cfg[field] = value
+  with pytest.raises(ValueError, match=message):
+    run_lib.run_sweep(cfg, tmp_path)
+  assert not (tmp_path / "results.jsonl").exists()
+
+
+def test_unknown_variant():
+  with pytest.raises(ValueError, match="variant"):
+    sweep_config.get_config("huge")
