@@ -33,13 +33,18 @@ def process_logits(logits: jax.Array, temperature, top_k, top_p) -> jax.Array:
   top_p = _param(top_p, lead, jnp.float32)[..., None]
 
   greedy = temperature <= 0.0
-  # Shifting by the max first keeps tiny temperatures from overflowing to inf - inf.
-  shifted = logits - jnp.max(logits, axis=-1, keepdims=True)
-  scaled = shifted / jnp.where(greedy, 1.0, temperature)
-  filtered = jax.lax.cond(jnp.any(top_k > 0) | jnp.any(top_p < 1.0),
-                          _filter_top_k_top_p, lambda s, k, p: s, scaled, top_k, top_p)
   one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=jnp.float32)
-  return jnp.where(greedy, one_hot, jax.nn.softmax(filtered, axis=-1))
+
+  def processed():
+    # Shifting by the max first keeps tiny temperatures from overflowing to inf - inf.
+    shifted = logits - jnp.max(logits, axis=-1, keepdims=True)
+    scaled = shifted / jnp.where(greedy, 1.0, temperature)
+    filtered = jax.lax.cond(jnp.any(top_k > 0) | jnp.any(top_p < 1.0),
+                            _filter_top_k_top_p, lambda s, k, p: s, scaled, top_k, top_p)
+    return jnp.where(greedy, one_hot, jax.nn.softmax(filtered, axis=-1))
+
+  # An all-greedy batch (every T = 0 sweep point) needs no softmax or filters.
+  return jax.lax.cond(jnp.all(greedy), lambda: one_hot, processed)
 
 
 # Sorting the whole vocabulary is slow on XLA:CPU (~0.7 ms for 5 x 2048). The cut almost
