@@ -38,6 +38,7 @@ import jax
 import numpy as np
 
 import specjax
+from specjax import generation
 from specjax import hf
 from specjax.model import Model
 
@@ -45,23 +46,13 @@ HF_ASSISTED = "transformers assisted"  # the peer the goal is stated against
 
 
 def _check_prompts(prompts, target: Model, draft: Model, max_new_tokens: int) -> list[list[int]]:
-  if isinstance(prompts, (str, bytes)) or not prompts:
-    raise ValueError("prompts must be a non-empty list of token-id lists or strings")
-  out = []
+  prompts = generation.check_prompts(prompts, target)
+  limit = min(target.config.max_len, draft.config.max_len)
   for i, prompt in enumerate(prompts):
-    if isinstance(prompt, str):
-      if target.tokenizer is None:
-        raise ValueError(f"prompt {i} is a string but the target has no tokenizer")
-      prompt = target.tokenizer.encode(prompt)
-    prompt = [int(t) for t in prompt]
-    if not prompt:
-      raise ValueError(f"prompt {i} is empty")
-    limit = min(target.config.max_len, draft.config.max_len)
     if len(prompt) + max_new_tokens > limit:
       raise ValueError(f"prompt {i}: {len(prompt)} tokens + max_new_tokens={max_new_tokens} "
                        f"exceed the models' context of {limit}")
-    out.append(prompt)
-  return out
+  return prompts
 
 
 def _machine() -> dict[str, Any]:

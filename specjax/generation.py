@@ -68,7 +68,8 @@ def _per_row(name, value, batch, kind):
   return arr
 
 
-def _check_prompts(prompts, model: Model) -> list[list[int]]:
+def check_prompts(prompts, model: Model) -> list[list[int]]:
+  """Token-id lists from token-id lists, a 2-D array or strings; ValueError otherwise."""
   if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
     prompts = list(prompts)
   if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
@@ -173,7 +174,7 @@ def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p
             stop_sequences=None, draft=None, gamma=4, drafter=None, draft_sample="probabilistic",
             ngram_min=1, ngram_max=4):
   """Validates everything and returns the engine's static and traced arguments."""
-  prompts = _check_prompts(prompts, target)
+  prompts = check_prompts(prompts, target)
   batch = len(prompts)
   max_new_tokens = _int_at_least("max_new_tokens", max_new_tokens, 1)
   longest = max(len(p) for p in prompts)

@@ -1,13 +1,11 @@
 """Autoregressive `specjax.generate`: greedy oracle, stops, one compile per sweep, bad input."""
 
-import chex
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import parameterized
 
 import specjax
-from specjax import decode as decode_lib
-from conftest import tiny_model
+from conftest import decode_traces, tiny_model
 
 
 def greedy_oracle(model, prompt, steps):
@@ -60,22 +58,11 @@ class AutoregressiveTest(parameterized.TestCase):
 
   def test_sweep_compiles_once(self):
     model = tiny_model(vocab=16, n_layers=1, seed=5)
-    traced = []
-    original = decode_lib.run_loop
-
-    def counting(*args, **kwargs):
-      traced.append(1)
-      return original(*args, **kwargs)
-
-    decode_lib.run_loop = chex.assert_max_traces(counting, n=1)
-    decode_lib.decode.clear_cache()  # the first call below must trace
-    try:
+    with decode_traces() as traced:
       for temperature in (0.0, 0.5, 1.0, 1.5):
         for top_p in (1.0, 0.9, 0.5):
           specjax.generate(model, [[1, 2, 3]], max_new_tokens=23, temperature=temperature,
                            top_p=top_p, top_k=3 if top_p < 1 else 0, seed=1)
-    finally:
-      decode_lib.run_loop = original
     self.assertEqual(len(traced), 1)
 
   def test_stats_are_per_sequence(self):

@@ -2,7 +2,6 @@
 
 import itertools
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +11,7 @@ import specjax
 from specjax import decode as decode_lib
 from specjax import drafters
 from specjax.generation import prepare
-from conftest import tiny_model
+from conftest import decode_traces, tiny_model
 from test_generate import PROMPTS, greedy_oracle
 
 
@@ -232,21 +231,10 @@ class DeterminismTest(parameterized.TestCase):
 
   def test_temperature_sweep_compiles_once(self):
     target, draft = target_and_draft()
-    traced = []
-    original = decode_lib.run_loop
-
-    def counting(*args, **kwargs):
-      traced.append(1)
-      return original(*args, **kwargs)
-
-    decode_lib.run_loop = chex.assert_max_traces(counting, n=1)
-    decode_lib.decode.clear_cache()  # the first call below must trace
-    try:
+    with decode_traces() as traced:
       for temperature in (0.0, 0.3, 0.7, 1.0, 2.0):
         specjax.generate(target, [[1, 2, 3]] * 2, max_new_tokens=21, draft=draft, gamma=3,
                          temperature=temperature, top_p=0.9)
-    finally:
-      decode_lib.run_loop = original
     self.assertEqual(len(traced), 1)
 
 
