@@ -300,22 +300,12 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 def default_prompts(model: Model, n: int, length: int, seed: int = 0) -> list[list[int]]:
-  """`n` prompts of `length` tokens: windows of standard-library source with a tokenizer
-  (what the shipped pair was trained on), random ids without one."""
-  rng = np.random.RandomState(seed)
+  """`n` prompts of `length` tokens: held-out standard-library windows with a tokenizer
+  (the same prompts `experiments.bench` uses), random ids without one."""
   if model.tokenizer is None:
-    return rng.randint(0, model.config.vocab_size, (n, length)).tolist()
-  import sysconfig
-  files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
-  prompts = []
-  for path in rng.permutation(files):
-    ids = model.tokenizer.encode(path.read_text(encoding="utf-8", errors="replace"))
-    if len(ids) >= 2 * length:
-      start = rng.randint(0, len(ids) - length)
-      prompts.append(ids[start:start + length])
-    if len(prompts) == n:
-      return prompts
-  raise ValueError(f"could not find {n} standard-library files of {2 * length}+ tokens")
+    return np.random.RandomState(seed).randint(0, model.config.vocab_size, (n, length)).tolist()
+  from experiments import common
+  return common.heldout_prompts(model.tokenizer, "stdlib", n, length, seed=seed)
 
 
 def main(argv):

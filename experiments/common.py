@@ -9,7 +9,7 @@ import numpy as np
 import specjax
 from specjax import costs
 from specjax import data as data_lib
-from specjax import drafters as drafters_lib
+from specjax import generation
 from specjax.pretrained import load_pretrained
 
 
@@ -63,21 +63,12 @@ def timed_generate(target, prompts, batch_size: int, repeats: int, **kwargs):
 
 def merge_stats(stats: list[dict]) -> dict:
   """Sums the counters of several generate calls and recomputes the rates."""
-  out = dict(stats[0])
-  for key in ("rows", "rounds", "target_calls", "drafted", "accepted", "committed",
-              "overlap_sum", "overlap_count"):
-    out[key] = sum(s[key] for s in stats)
-  for key in ("accepted_at", "committed_hist"):
-    out[key] = [int(x) for x in np.sum([s[key] for s in stats], axis=0)]
-  out["alpha_hat"] = (out["overlap_sum"] / out["overlap_count"] if out["overlap_count"]
-                      else float("nan"))
-  out["acceptance_rate"] = out["accepted"] / out["drafted"] if out["drafted"] else float("nan")
-  out["tokens_per_round"] = out["committed"] / out["rounds"]
-  out["tokens_per_target_call"] = out["tokens_per_round"]
-  reached = [out["rounds"]] + out["accepted_at"][:-1]
-  out["acceptance_by_position"] = [a / r if r else float("nan")
-                                   for a, r in zip(out["accepted_at"], reached)]
-  return out
+  counts = {}
+  for key in generation.COUNTERS:
+    values = [s[key] for s in stats]
+    counts[key] = ([int(x) for x in np.sum(values, axis=0)] if isinstance(values[0], list)
+                   else sum(values))
+  return dict(gamma=stats[0]["gamma"], **generation.with_rates(counts))
 
 
 def step_costs(target, draft, drafter: str, gamma: int, batch: int, context: int,
@@ -88,12 +79,8 @@ def step_costs(target, draft, drafter: str, gamma: int, batch: int, context: int
   t1 = costs.forward_cost(target, batch, 1, context=context, cache_size=cache, repeats=repeats)
   tv = costs.forward_cost(target, batch, gamma + 1, context=context, cache_size=cache,
                           repeats=repeats)
-  if drafter == "ngram":
-    obj = drafters_lib.NgramDrafter(target.config.vocab_size, gamma, *ngram)
-    params = None
-  else:
-    obj = drafters_lib.ModelDrafter(draft.config, gamma, draft_sample)
-    params = draft.params
+  obj = generation.make_drafter(target, draft, drafter, gamma, draft_sample, *ngram)
+  params = draft.params if drafter == "model" else None
   propose = costs.propose_cost(obj, params, batch, target.config.vocab_size, context=context,
                                repeats=repeats, temperature=temperature)
   return {"target_step_s": t1, "verify_s": tv, "propose_s": propose,

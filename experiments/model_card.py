@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import time
 from pathlib import Path
 
 import jax
@@ -23,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from specjax import data, kv_cache
+from specjax import costs, data, kv_cache, ledger
 from specjax import model as model_lib
 from specjax import train as train_lib
 from specjax.pretrained import load_pretrained
@@ -44,16 +43,6 @@ def heldout_windows(tokenizer, seq_len: int, num_windows: int) -> np.ndarray:
   corpus = data.load_corpus(data.STDLIB, heldout_fraction=0.05)
   stream = data.token_stream(tokenizer, corpus.read("heldout"))
   return data.eval_windows(stream, seq_len, num_windows)
-
-
-def _time(fn, *args, repeats: int = 7) -> float:
-  jax.block_until_ready(fn(*args))  # compile
-  best = float("inf")
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    best = min(best, time.perf_counter() - t0)
-  return best
 
 
 def step_costs(model, max_gamma: int, prefix: int = 128, steps: int = 64) -> dict[str, float]:
@@ -87,10 +76,10 @@ def step_costs(model, max_gamma: int, prefix: int = 128, steps: int = 64) -> dic
       return jax.lax.fori_loop(0, steps, body, (jnp.zeros((1, width), jnp.int32), kv))
     return verify
 
-  out = {"step_ms": 1e3 * _time(decode, model.params, kv0) / steps}
+  out = {"step_ms": 1e3 * costs.best_time(decode, model.params, kv0, repeats=7) / steps}
   for gamma in range(1, max_gamma + 1):
-    out[f"pass_{gamma + 1}_tokens_ms"] = 1e3 * _time(make_verify(gamma + 1), model.params,
-                                                     kv0) / steps
+    out[f"pass_{gamma + 1}_tokens_ms"] = 1e3 * costs.best_time(
+        make_verify(gamma + 1), model.params, kv0, repeats=7) / steps
   return out
 
 
@@ -107,11 +96,6 @@ def loss_by_position_half(model, tokenizer, num_windows: int = 16) -> dict[str, 
   half = length // 2
   return {f"loss_positions_0_{half - 1}": float(nats[:, :half].mean()),
           f"loss_positions_{half}_{length - 1}": float(nats[:, half:].mean())}
-
-
-def expected_tokens(alpha: float, gamma: int) -> float:
-  """E(α, γ) = (1 - α^(γ+1)) / (1 - α): tokens committed per target call."""
-  return gamma + 1.0 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
 
 
 def measure(target_name: str, draft_name: str, num_windows: int, seq_len: int,
@@ -143,9 +127,10 @@ def measure(target_name: str, draft_name: str, num_windows: int, seq_len: int,
   predictions = {}
   for gamma in range(1, max_gamma + 1):
     v = card["target"][f"pass_{gamma + 1}_tokens_ms"] / card["target"]["step_ms"]
-    e = expected_tokens(card["pair"]["alpha_t0"], gamma)
+    e = float(ledger.expected_tokens(card["pair"]["alpha_t0"], gamma))
     predictions[gamma] = {"v": v, "tokens_per_target_call": e,
-                          "predicted_speedup_t0": e / (gamma * c + v)}
+                          "predicted_speedup_t0": float(ledger.predicted_speedup(
+                              card["pair"]["alpha_t0"], gamma, c, v))}
   best = max(predictions, key=lambda g: predictions[g]["predicted_speedup_t0"])
   card["pair"].update({"cost_ratio_c": c, "by_gamma": predictions, "best_gamma_t0": best})
   return card

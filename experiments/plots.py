@@ -115,14 +115,14 @@ def summary_table(rows: list[dict]) -> str:
             f"γ={best['gamma']}, T={best['temperature']}, batch {best['batch_size']} "
             f"({best['tokens_per_s']:.0f} vs {best['target_only_tokens_per_s']:.0f} tokens/s)."]
   for drafter in sorted({r["drafter"] for r in rows}):
-    rs = [r for r in rows if r["drafter"] == drafter and r["temperature"] == 0.0]
-    if rs:
-      r = max(rs, key=lambda r: r["gamma"])
-      g, s = ledger.optimal_gamma(r["alpha_hat"], r["c"],
-                                  ledger.fit_verify_cost(*zip(*sorted(
-                                      {(x["gamma"], x["v"]) for x in rows
-                                       if x["drafter"] == drafter and
-                                       x["batch_size"] == r["batch_size"]}))))
+    greedy = [r for r in rows if r["drafter"] == drafter and r["temperature"] == 0.0
+              and r["batch_size"] == min(x["batch_size"] for x in rows)]
+    if greedy:
+      alpha = float(np.mean([r["alpha_hat"] for r in greedy]))
+      c = float(np.mean([r["c"] for r in greedy]))
+      v = ledger.fit_verify_cost([r["gamma"] for r in greedy], [r["v"] for r in greedy])
+      g, s = ledger.optimal_gamma(alpha, c, v)
       lines.append(f"Ledger optimum at T=0 for the {drafter} drafter (batch "
-                   f"{r['batch_size']}, α̂={r['alpha_hat']:.3f}): γ={g}, predicted {s:.2f}x.")
+                   f"{greedy[0]['batch_size']}, mean α̂={alpha:.3f}, mean c={c:.3f}): γ={g}, "
+                   f"predicted {s:.2f}x.")
   return "\n".join(lines) + "\n"

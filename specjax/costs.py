@@ -12,6 +12,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from specjax import decode as decode_lib
 from specjax import kv_cache
 from specjax import model as model_lib
 
@@ -51,13 +52,12 @@ def forward_cost(model, batch: int, tokens_per_call: int, context: int = 128,
 def propose_cost(drafter, draft_params, batch: int, vocab_size: int, context: int = 128,
                  iters: int = 16, repeats: int = 5, temperature: float = 1.0) -> float:
   """Seconds per `drafter.propose` call (γ draft tokens per row), state rolled back each time."""
-  from specjax.decode import Sampling  # local: decode imports this module's users
   cache_size = context + drafter.gamma + 66
-  sampling = Sampling(temperature=jnp.full((batch,), temperature, jnp.float32),
-                      top_k=jnp.zeros((batch,), jnp.int32), top_p=jnp.ones((batch,)),
-                      max_new=jnp.zeros((batch,), jnp.int32),
-                      stop_seqs=jnp.zeros((1, 1), jnp.int32),
-                      stop_lens=jnp.zeros((1,), jnp.int32))
+  sampling = decode_lib.Sampling(
+      temperature=jnp.full((batch,), temperature, jnp.float32),
+      top_k=jnp.zeros((batch,), jnp.int32), top_p=jnp.ones((batch,)),
+      max_new=jnp.zeros((batch,), jnp.int32), stop_seqs=jnp.zeros((1, 1), jnp.int32),
+      stop_lens=jnp.zeros((1,), jnp.int32))
   tokens = jax.random.randint(jax.random.PRNGKey(0), (batch, cache_size), 0, vocab_size)
   n = jnp.full((batch,), context, jnp.int32)
 
@@ -84,7 +84,6 @@ def round_cost(target, prepared: dict, draft_params=None, rounds: int = 16,
   `prepared` is `specjax.generation.prepare(...)`'s output; its max_new_tokens must leave
   room for `rounds` rounds. Prefill and host work are excluded.
   """
-  from specjax import decode as decode_lib  # local: decode imports sampling, not costs
   drafter, sampling = prepared["drafter"], prepared["sampling"]
   state = decode_lib.prefill(target.config, drafter, target.params, draft_params,
                              prepared["tokens"], prepared["prompt_len"],

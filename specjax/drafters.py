@@ -72,14 +72,18 @@ class ModelDrafter:
     return kv.rollback(n - 1)
 
   def _draw(self, key, logits, sampling):
-    if self.sample_mode == "greedy":
+    def argmax():
       y = jnp.argmax(logits, axis=-1).astype(jnp.int32)
       return y, jax.nn.one_hot(y, logits.shape[-1], dtype=jnp.float32)
-    q = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-    # At temperature 0 q is one-hot: skip the V random numbers a draw would cost.
-    y = jax.lax.cond(jnp.all(sampling.temperature <= 0),
-                     lambda: jnp.argmax(q, axis=-1).astype(jnp.int32), lambda: sample(key, q))
-    return y, q
+
+    def draw():
+      q = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+      return sample(key, q), q
+
+    if self.sample_mode == "greedy":
+      return argmax()
+    # At temperature 0 q is the one-hot argmax: skip the V random numbers a draw costs.
+    return jax.lax.cond(jnp.all(sampling.temperature <= 0), argmax, draw)
 
   def propose(self, params, kv, tokens, n, key, sampling):
     # After a fully accepted round the draft never saw y_γ, so its cache may be one

@@ -113,36 +113,38 @@ def make_drafter(target: Model, draft: Model | None, drafter: str | None, gamma:
   return drafters_lib.ModelDrafter(config=draft.config, gamma=gamma, sample_mode=draft_sample)
 
 
+COUNTERS = ("rows", "rounds", "target_calls", "drafted", "accepted", "committed",
+            "overlap_sum", "overlap_count", "accepted_at", "committed_hist")
+
+
+def with_rates(counts: dict[str, Any]) -> dict[str, Any]:
+  """The counters plus every rate derived from them (also used to pool several runs)."""
+  rounds, drafted, committed = counts["rounds"], counts["drafted"], counts["committed"]
+  accepted_at = counts["accepted_at"]
+  nan = float("nan")
+  return dict(
+      counts,
+      acceptance_rate=counts["accepted"] / drafted if drafted else nan,
+      alpha_hat=counts["overlap_sum"] / counts["overlap_count"] if counts["overlap_count"]
+      else nan,
+      # Per sequence: every round is one target call for each live row.
+      tokens_per_round=committed / rounds if rounds else nan,
+      tokens_per_target_call=committed / rounds if rounds else nan,
+      # P(position i accepted | the round reached it)
+      acceptance_by_position=[a / r if r else nan for a, r in
+                              zip(accepted_at, [rounds] + list(accepted_at[:-1]))],
+  )
+
+
 def summarize_stats(state: decode_lib.DecodeState, gamma: int) -> dict[str, Any]:
   s = jax.device_get(state.stats)
-  total = lambda x: int(np.sum(x))
-  drafted, accepted, rounds = total(s.drafted), total(s.accepted), total(s.rounds)
-  committed = total(s.committed)
-  overlap_count = total(s.overlap_count)
-  target_calls = int(state.target_calls)
-  accepted_at = np.sum(s.accepted_at, axis=0)
-  return {
-      "gamma": gamma,
-      "rows": int(s.rounds.shape[0]),
-      "rounds": rounds,
-      "target_calls": target_calls,
-      "drafted": drafted,
-      "accepted": accepted,
-      "committed": committed,
-      "acceptance_rate": accepted / drafted if drafted else float("nan"),
-      "alpha_hat": float(np.sum(s.overlap_sum)) / overlap_count if overlap_count
-                   else float("nan"),
-      # Per sequence: every round is one target call for each live row.
-      "tokens_per_round": committed / rounds if rounds else float("nan"),
-      "tokens_per_target_call": committed / rounds if rounds else float("nan"),
-      "overlap_sum": float(np.sum(s.overlap_sum)),
-      "overlap_count": overlap_count,
-      "accepted_at": [int(x) for x in accepted_at],
-      # P(position i accepted | the round reached it)
-      "acceptance_by_position": [float(a / r) if r else float("nan") for a, r in
-                                 zip(accepted_at, [rounds] + list(accepted_at[:-1]))],
-      "committed_hist": [int(x) for x in np.sum(s.committed_hist, axis=0)],
-  }
+  counts = {key: int(np.sum(getattr(s, key))) for key in
+            ("rounds", "drafted", "accepted", "committed", "overlap_count")}
+  counts.update(rows=int(s.rounds.shape[0]), target_calls=int(state.target_calls),
+                overlap_sum=float(np.sum(s.overlap_sum)),
+                accepted_at=[int(x) for x in np.sum(s.accepted_at, axis=0)],
+                committed_hist=[int(x) for x in np.sum(s.committed_hist, axis=0)])
+  return dict(gamma=gamma, **with_rates(counts))
 
 
 def _stop_table(target: Model, eos_id, stop_sequences):

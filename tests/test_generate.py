@@ -82,6 +82,17 @@ class AutoregressiveTest(parameterized.TestCase):
     res = specjax.generate(model, [[1, 2]], max_new_tokens=4, temperature=1e-30)
     self.assertEqual(res.tokens, want)  # the limit of T -> 0 is greedy, never NaN
 
+  def test_a_bare_stop_string_is_one_stop_sequence(self):
+    target = specjax.load_pretrained("stdlib-target")
+    kw = dict(max_new_tokens=24, drafter="ngram", gamma=2)
+    plain = specjax.generate(target, ["import os"], **kw).tokens[0]
+    stop = target.tokenizer.decode(plain[2:4])  # text the model does produce
+    self.assertEqual(target.tokenizer.encode(stop), plain[2:4])
+    as_list = specjax.generate(target, ["import os"], stop_sequences=[stop], **kw)
+    as_str = specjax.generate(target, ["import os"], stop_sequences=stop, **kw)
+    self.assertEqual(as_str.tokens, as_list.tokens)
+    self.assertLess(len(as_list.tokens[0]), 24)
+
   def test_texts_need_a_tokenizer(self):
     model = tiny_model(vocab=16)
     with self.assertRaisesRegex(ValueError, "tokenizer"):
