@@ -6,10 +6,20 @@
 
 Variants: '' (default: a few minutes on a 2-core CPU with the shipped pair), 'smoke'
 (seconds; the test suite runs it), 'full' (a larger grid for a GPU/TPU runtime),
-'gpt2' (a public pair from local Hugging Face directories or the hub; see docs/HF.md).
+'gpt2' (a public pair from local Hugging Face directories or the hub; see docs/HF.md),
+'llama3', 'qwen3', 'qwen25' (larger public pairs by hub id, for a GPU/TPU runtime; see
+docs/HF.md for memory, gated repositories and local copies).
 """
 
 import ml_collections
+
+# Public target/draft pairs by hub id (or --config.target=DIR --config.draft=DIR).
+HUB_PAIRS = {
+    "llama3": ("meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.2-1B"),  # 128256 rows each
+    "qwen3": ("Qwen/Qwen3-8B", "Qwen/Qwen3-0.6B"),  # 151936 rows each
+    # 152064 vs 151936 rows: the draft must be padded (specjax.hf.pad_vocab) to pair.
+    "qwen25": ("Qwen/Qwen2.5-7B", "Qwen/Qwen2.5-0.5B"),
+}
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -30,7 +40,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.max_new_tokens = 64
   c.corpus = "stdlib"  # where prompts come from: 'stdlib', a directory or a text file
   c.stop_at_eos = False  # off: every row decodes max_new_tokens, so rows compare evenly
-  c.timing_repeats = 2  # best of n timed passes over the prompts
+  c.timing_pairs = 3  # speculative and target-only passes over the prompts, alternately
   c.seed = 0
 
   variant = (arg or "").strip()
@@ -40,7 +50,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.num_prompts = 2
     c.prompt_tokens = 16
     c.max_new_tokens = 8
-    c.timing_repeats = 1
+    c.timing_pairs = 1
   elif variant == "full":
     c.gamma = (1, 2, 3, 4, 5, 6, 8, 10, 12)
     c.temperature = (0.0, 0.3, 0.7, 1.0, 1.3)
@@ -49,7 +59,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.num_prompts = 64
     c.prompt_tokens = 128
     c.max_new_tokens = 128
-    c.timing_repeats = 3
+    c.timing_pairs = 5
   elif variant == "gpt2":
     c.target = "gpt2-large"
     c.draft = "distilgpt2"
@@ -59,7 +69,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.num_prompts = 16
     c.prompt_tokens = 64
     c.max_new_tokens = 96
+  elif variant in HUB_PAIRS:
+    c.target, c.draft = HUB_PAIRS[variant]
+    c.gamma = (2, 3, 4, 5, 6, 8)
+    c.temperature = (0.0, 0.7, 1.0)
+    c.batch_size = (1, 8)
+    c.num_prompts = 16
+    c.prompt_tokens = 128
+    c.max_new_tokens = 128
   elif variant:
     raise ValueError(f"unknown configs/sweep.py variant {variant!r}; "
-                     "known: '', 'smoke', 'full', 'gpt2'")
+                     f"known: '', 'smoke', 'full', 'gpt2', {', '.join(map(repr, HUB_PAIRS))}")
   return c

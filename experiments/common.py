@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+import statistics
 
 import numpy as np
 
@@ -41,24 +41,40 @@ def heldout_prompts(tokenizer, corpus: str, num_prompts: int, prompt_tokens: int
   return [prompts[i % len(prompts)] for i in range(num_prompts)]
 
 
-def timed_generate(target, prompts, batch_size: int, repeats: int, **kwargs):
-  """Decodes all prompts in batches; returns (best wall seconds, merged stats, tokens).
-
-  The first pass compiles and is not timed (every batch has the same shape, so one
-  compile serves all of them).
-  """
+def _batches(prompts, batch_size: int):
+  """Prompts in batches of one shape: the last is padded with repeats of the first prompt."""
   batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
-  if len(batches[-1]) < batch_size:  # keep one shape: pad with repeats of the first prompt
+  if len(batches[-1]) < batch_size:
     batches[-1] = batches[-1] + [prompts[0]] * (batch_size - len(batches[-1]))
-  specjax.generate(target, batches[0], **kwargs)
-  best, results = float("inf"), None
-  for _ in range(max(repeats, 1)):
-    start = time.perf_counter()
-    run = [specjax.generate(target, b, **kwargs) for b in batches]
-    elapsed = time.perf_counter() - start
-    if elapsed < best:
-      best, results = elapsed, run
-  return best, merge_stats([r.stats for r in results]), [t for r in results for t in r.tokens]
+  return batches
+
+
+def paired_generate(target, prompts, batch_size: int, pairs: int, method: dict,
+                    baseline: dict) -> dict:
+  """Times `generate(**method)` against `generate(**baseline)`, alternately, on all prompts.
+
+  One warm-up pass of each compiles (every batch has one shape). Returns both sides'
+  merged stats, tokens and median tokens/s, and the paired speedup (median ratio of
+  baseline time to method time, with its min and max).
+  """
+  batches = _batches(prompts, batch_size)
+  outputs = {}
+
+  def runner(name, kwargs):
+    def run():
+      outputs[name] = [specjax.generate(target, b, **kwargs) for b in batches]
+    return run
+
+  timing = costs.paired(runner("method", method), runner("baseline", baseline), pairs=pairs)
+  out = {"speedup": timing["ratio"], "speedup_min": timing["ratio_min"],
+         "speedup_max": timing["ratio_max"], "pairs": len(timing["method_s"])}
+  for name, times in (("method", timing["method_s"]), ("baseline", timing["baseline_s"])):
+    results = outputs[name]
+    stats = merge_stats([r.stats for r in results])
+    out[name] = {"stats": stats, "tokens": [t for r in results for t in r.tokens],
+                 "seconds": statistics.median(times),
+                 "tokens_per_s": stats["committed"] / statistics.median(times)}
+  return out
 
 
 def merge_stats(stats: list[dict]) -> dict:
@@ -74,14 +90,32 @@ def merge_stats(stats: list[dict]) -> dict:
 def step_costs(target, draft, drafter: str, gamma: int, batch: int, context: int,
                ngram=(1, 4), draft_sample="probabilistic", repeats: int = 3,
                temperature: float = 1.0):
-  """Measured c (draft step / target step) and v(γ) ((γ+1)-token pass / 1-token pass)."""
-  cache = context + gamma + 130
-  t1 = costs.forward_cost(target, batch, 1, context=context, cache_size=cache, repeats=repeats)
-  tv = costs.forward_cost(target, batch, gamma + 1, context=context, cache_size=cache,
-                          repeats=repeats)
+  """`costs.step_costs` for a drafter named as in `specjax.generate`."""
   obj = generation.make_drafter(target, draft, drafter, gamma, draft_sample, *ngram)
   params = draft.params if drafter == "model" else None
-  propose = costs.propose_cost(obj, params, batch, target.config.vocab_size, context=context,
-                               repeats=repeats, temperature=temperature)
-  return {"target_step_s": t1, "verify_s": tv, "propose_s": propose,
-          "c": propose / gamma / t1, "v": tv / t1}
+  return costs.step_costs(target, obj, params, batch, context, temperature=temperature,
+                          repeats=repeats)
+
+
+def markdown_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+  """rows as a Markdown table; columns are (header, key, format spec or 'x' for a ratio).
+
+  A '{key}' with min/max siblings ('{key}_min', '{key}_max') prints as 'v (min–max)'.
+  """
+  head = "| " + " | ".join(h for h, _, _ in columns) + " |"
+  lines = [head, "|" + "---|" * len(columns)]
+  for row in rows:
+    cells = []
+    for _, key, fmt in columns:
+      value = row.get(key)
+      if value is None:
+        cells.append("")
+        continue
+      ratio = fmt == "x"
+      text = f"{value:.2f}x" if ratio else format(value, fmt)
+      if f"{key}_min" in row and f"{key}_max" in row:
+        lo, hi = row[f"{key}_min"], row[f"{key}_max"]
+        text += f" ({lo:.2f}–{hi:.2f})" if ratio else f" ({lo:{fmt}}–{hi:{fmt}})"
+      cells.append(text)
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)

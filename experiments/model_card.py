@@ -13,17 +13,14 @@ text (at temperature 0 this is the argmax agreement rate), and the cost of a cac
 from __future__ import annotations
 
 import json
-import os
 import platform
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from specjax import costs, data, kv_cache, ledger
-from specjax import model as model_lib
+from specjax import costs, data, generation, ledger
 from specjax import train as train_lib
 from specjax.pretrained import load_pretrained
 
@@ -45,41 +42,17 @@ def heldout_windows(tokenizer, seq_len: int, num_windows: int) -> np.ndarray:
   return data.eval_windows(stream, seq_len, num_windows)
 
 
-def step_costs(model, max_gamma: int, prefix: int = 128, steps: int = 64) -> dict[str, float]:
-  """Milliseconds per cached 1-token step and per (γ+1)-token pass, batch 1, fused loop.
+# The context the costs are measured at, and the γ at which c is measured.
+COST_CONTEXT = 128
+COST_GAMMA = 4
 
-  The cache starts `prefix` tokens full; decode steps grow it, verify passes do not.
-  """
-  cfg, graphdef = model.config, model.graphdef
-  prefix = min(prefix, cfg.max_len // 4)
-  steps = min(steps, cfg.max_len - prefix)
-  kv0 = kv_cache.init_kv(cfg, 1, cfg.max_len)
-  prompt = jnp.arange(prefix, dtype=jnp.int32)[None] % cfg.vocab_size
-  _, kv0 = model_lib.forward_cached_jit(graphdef, model.params, prompt, kv0)
 
-  @jax.jit
-  def decode(params, kv):
-    def body(_, carry):
-      tok, kv = carry
-      logits, kv = model_lib.forward_cached(graphdef, params, tok, kv)
-      return jnp.argmax(logits[:, -1:], -1).astype(jnp.int32), kv
-    return jax.lax.fori_loop(0, steps, body, (jnp.zeros((1, 1), jnp.int32), kv))
-
-  def make_verify(width):
-    @jax.jit
-    def verify(params, kv):
-      def body(_, carry):
-        toks, kv = carry
-        logits, new_kv = model_lib.forward_cached(graphdef, params, toks, kv)
-        # Roll back so every pass sees the same cache length, as a rejected round would.
-        return jnp.argmax(logits, -1).astype(jnp.int32), new_kv.rollback(kv.length)
-      return jax.lax.fori_loop(0, steps, body, (jnp.zeros((1, width), jnp.int32), kv))
-    return verify
-
-  out = {"step_ms": 1e3 * costs.best_time(decode, model.params, kv0, repeats=7) / steps}
-  for gamma in range(1, max_gamma + 1):
-    out[f"pass_{gamma + 1}_tokens_ms"] = 1e3 * costs.best_time(
-        make_verify(gamma + 1), model.params, kv0, repeats=7) / steps
+def step_costs(model, max_gamma: int) -> dict[str, float]:
+  """Milliseconds per cached 1-token step and per (γ+1)-token pass, batch 1 (costs.py)."""
+  vc = costs.verify_costs(model, 1, range(1, max_gamma + 1), context=COST_CONTEXT, repeats=7)
+  out = {"step_ms": vc["step_ms"]}
+  for gamma, row in vc["by_gamma"].items():
+    out[f"pass_{gamma + 1}_tokens_ms"] = row["pass_ms"]
   return out
 
 
@@ -106,9 +79,7 @@ def measure(target_name: str, draft_name: str, num_windows: int, seq_len: int,
   windows = heldout_windows(tok, seq_len, num_windows)
   test_slice = heldout_windows(tok, seq_len, TEST_SLICE_WINDOWS)
   card = {"environment": {
-      "python": platform.python_version(), "jax": jax.__version__,
-      "cpu_count": os.cpu_count(), "machine": platform.machine(),
-      "xla_flags": os.environ.get("XLA_FLAGS", ""),
+      **costs.machine_info(), "python": platform.python_version(),
       "heldout": f"{len(windows)} windows x {seq_len} tokens of the stdlib held-out split"}}
   for role, m in (("target", target), ("draft", draft)):
     ev = train_lib.evaluate(m.graphdef, m.params, windows, byte_lengths)
@@ -123,7 +94,10 @@ def measure(target_name: str, draft_name: str, num_windows: int, seq_len: int,
         **step_costs(m, max_gamma)}
     print(f"{role}: {json.dumps(card[role], default=str)}", flush=True)
   card["pair"] = train_lib.acceptance_rate(target, draft, windows)
-  c = card["draft"]["step_ms"] / card["target"]["step_ms"]
+  # The one definition of c (costs.step_costs): a whole draft proposal (sampling
+  # included, T = 1) per drafted token over a 1-token target step.
+  drafter = generation.make_drafter(target, draft, "model", COST_GAMMA, "probabilistic", 1, 4)
+  c = costs.step_costs(target, drafter, draft.params, 1, COST_CONTEXT, temperature=1.0)["c"]
   predictions = {}
   for gamma in range(1, max_gamma + 1):
     v = card["target"][f"pass_{gamma + 1}_tokens_ms"] / card["target"]["step_ms"]

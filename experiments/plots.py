@@ -11,6 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from experiments import common  # noqa: E402
 from specjax import ledger  # noqa: E402
 
 PLOTS = ("acceptance_vs_gamma.png", "tokens_per_call.png", "speedup_vs_gamma.png",
@@ -73,7 +74,11 @@ def write_report(rows: list[dict], workdir) -> None:
     for i, (t, rs) in enumerate(_series(rows, *key).items()):
       color = f"C{i}"
       g = [r["gamma"] for r in rs]
-      ax.plot(g, [r["speedup"] for r in rs], "o-", color=color, label=f"T={t} measured")
+      mid = np.array([r["speedup"] for r in rs])
+      spread = np.array([[m - r.get("speedup_min", m), r.get("speedup_max", m) - m]
+                         for m, r in zip(mid, rs)]).T
+      ax.errorbar(g, mid, yerr=spread, fmt="o-", color=color, capsize=3,
+                  label=f"T={t} measured (paired median, min–max)")
       ax.plot(g, [r["predicted_speedup"] for r in rs], "x--", color=color,
               label=f"T={t} predicted")
     ax.axhline(1.0, color="k", lw=0.8)
@@ -97,19 +102,19 @@ def write_report(rows: list[dict], workdir) -> None:
   plt.close(fig)
 
 
+SUMMARY_COLUMNS = [
+    ("drafter", "drafter", "s"), ("batch", "batch_size", "d"), ("T", "temperature", "g"),
+    ("top-p", "top_p", "g"), ("γ", "gamma", "d"), ("α̂", "alpha_hat", ".3f"),
+    ("accept rate", "acceptance_rate", ".3f"), ("tokens/call", "tokens_per_target_call", ".2f"),
+    ("E(α̂,γ)", "expected_tokens", ".2f"), ("c", "c", ".3f"), ("v(γ)", "v", ".2f"),
+    ("tok/s", "tokens_per_s", ".0f"), ("target-only tok/s", "target_only_tokens_per_s", ".0f"),
+    ("speedup (min–max)", "speedup", "x"), ("predicted", "predicted_speedup", "x")]
+
+
 def summary_table(rows: list[dict]) -> str:
-  head = ("| drafter | batch | T | top-p | γ | α̂ | accept rate | tokens/call | E(α̂,γ) | c | "
-          "v(γ) | tok/s | target-only tok/s | speedup | predicted |")
-  lines = [head, "|" + "---|" * (head.count("|") - 1)]
   order = sorted(rows, key=lambda r: (r["drafter"], r["batch_size"], r["top_p"],
                                       r["temperature"], r["gamma"]))
-  for r in order:
-    lines.append(
-        f"| {r['drafter']} | {r['batch_size']} | {r['temperature']} | {r['top_p']} | "
-        f"{r['gamma']} | {r['alpha_hat']:.3f} | {r['acceptance_rate']:.3f} | "
-        f"{r['tokens_per_target_call']:.2f} | {r['expected_tokens']:.2f} | {r['c']:.3f} | "
-        f"{r['v']:.2f} | {r['tokens_per_s']:.0f} | {r['target_only_tokens_per_s']:.0f} | "
-        f"{r['speedup']:.2f}x | {r['predicted_speedup']:.2f}x |")
+  lines = [common.markdown_table(order, SUMMARY_COLUMNS)]
   best = max(rows, key=lambda r: r["speedup"])
   lines += ["", f"Best measured: {best['speedup']:.2f}x with the {best['drafter']} drafter, "
             f"γ={best['gamma']}, T={best['temperature']}, batch {best['batch_size']} "

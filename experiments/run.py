@@ -20,6 +20,8 @@ import tqdm
 
 from experiments import common
 from experiments import plots
+from specjax import costs
+from specjax import generation
 from specjax import ledger
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/sweep.py", "Sweep config.")
@@ -38,8 +40,8 @@ def validate(cfg) -> None:
     if not isinstance(cfg[field], (tuple, list)) or not cfg[field]:
       fail(field, "must be a non-empty tuple")
   for d in cfg.drafter:
-    if d not in ("model", "ngram"):
-      fail("drafter", f"unknown drafter {d!r}; use 'model' or 'ngram'")
+    if d not in generation.DRAFTERS:
+      fail("drafter", f"unknown drafter {d!r}; use one of {generation.DRAFTERS}")
   if "model" in cfg.drafter and not cfg.draft:
     fail("draft", "drafter 'model' needs a draft model")
   for g in cfg.gamma:
@@ -54,7 +56,7 @@ def validate(cfg) -> None:
   for b in cfg.batch_size:
     if not isinstance(b, int) or b < 1:
       fail("batch_size", "batch sizes must be ints >= 1")
-  for field in ("num_prompts", "prompt_tokens", "max_new_tokens", "timing_repeats"):
+  for field in ("num_prompts", "prompt_tokens", "max_new_tokens", "timing_pairs"):
     if not isinstance(cfg[field], int) or cfg[field] < 1:
       fail(field, "must be an int >= 1")
   if not isinstance(cfg.top_k, int) or cfg.top_k < 0:
@@ -102,31 +104,26 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True) -> list[dict]:
   context = cfg.prompt_tokens + cfg.max_new_tokens // 2
   base = dict(max_new_tokens=cfg.max_new_tokens, top_k=cfg.top_k, seed=cfg.seed,
               eos_id=target.tokenizer.eos_id if cfg.stop_at_eos else None)
-  baselines, step_costs = {}, {}
+  step_costs = {}
+  machine = costs.machine_info()
 
   bar = tqdm.tqdm(todo, desc="sweep", disable=not progress)
   for point in bar:
     bar.set_postfix_str(" ".join(f"{k}={v}" for k, v in point.items()))
     sampling = dict(base, temperature=point["temperature"], top_p=point["top_p"])
-    bkey = (point["temperature"], point["top_p"], point["batch_size"])
-    if bkey not in baselines:
-      baselines[bkey] = common.timed_generate(target, prompts, point["batch_size"],
-                                              cfg.timing_repeats, **sampling)
-    base_time, base_stats, _ = baselines[bkey]
     # A greedy draft skips sampling, so its cost depends on whether T is 0.
     ckey = (point["drafter"], point["gamma"], point["batch_size"], point["temperature"] == 0)
     if ckey not in step_costs:
       step_costs[ckey] = common.step_costs(
           target, draft, point["drafter"], point["gamma"], point["batch_size"], context,
           (cfg.ngram_min, cfg.ngram_max), cfg.draft_sample, temperature=point["temperature"])
-    sc = step_costs[ckey]
     spec = dict(sampling, gamma=point["gamma"], drafter=point["drafter"],
                 ngram_min=cfg.ngram_min, ngram_max=cfg.ngram_max)
     if point["drafter"] == "model":
       spec.update(draft=draft, draft_sample=cfg.draft_sample)
-    elapsed, stats, _ = common.timed_generate(target, prompts, point["batch_size"],
-                                              cfg.timing_repeats, **spec)
-    row = make_row(point, stats, elapsed, base_time, base_stats, sc)
+    timing = common.paired_generate(target, prompts, point["batch_size"], cfg.timing_pairs,
+                                    method=spec, baseline=sampling)
+    row = make_row(point, timing, step_costs[ckey], machine)
     rows.append(row)
     with results_path.open("a") as f:
       f.write(json.dumps(row) + "\n")
@@ -134,11 +131,10 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True) -> list[dict]:
   return rows
 
 
-def make_row(point, stats, elapsed, base_time, base_stats, sc) -> dict:
+def make_row(point, timing, sc, machine) -> dict:
   gamma = point["gamma"]
+  stats = timing["method"]["stats"]
   alpha = stats["alpha_hat"]
-  tokens_per_s = stats["committed"] / elapsed
-  base_tokens_per_s = base_stats["committed"] / base_time
   predicted = float(ledger.predicted_speedup(alpha, gamma, sc["c"], sc["v"]))
   return dict(
       point,
@@ -146,17 +142,17 @@ def make_row(point, stats, elapsed, base_time, base_stats, sc) -> dict:
       drafted=stats["drafted"], accepted=stats["accepted"], committed=stats["committed"],
       acceptance_rate=stats["acceptance_rate"], alpha_hat=alpha,
       alpha_positions=ledger.alpha_from_positions(stats["accepted_at"], stats["rounds"]),
-      tokens_per_round=stats["tokens_per_round"],
       tokens_per_target_call=stats["tokens_per_target_call"],
       expected_tokens=float(ledger.expected_tokens(alpha, gamma)),
       acceptance_by_position=stats["acceptance_by_position"],
       committed_hist=stats["committed_hist"],
-      seconds=elapsed, tokens_per_s=tokens_per_s,
-      target_only_tokens_per_s=base_tokens_per_s,
-      speedup=tokens_per_s / base_tokens_per_s,
+      seconds=timing["method"]["seconds"], tokens_per_s=timing["method"]["tokens_per_s"],
+      target_only_tokens_per_s=timing["baseline"]["tokens_per_s"],
+      speedup=timing["speedup"], speedup_min=timing["speedup_min"],
+      speedup_max=timing["speedup_max"], timing_pairs=timing["pairs"],
       c=sc["c"], v=sc["v"], target_step_ms=sc["target_step_s"] * 1e3,
       draft_propose_ms=sc["propose_s"] * 1e3,
-      predicted_speedup=predicted,
+      predicted_speedup=predicted, machine=machine,
   )
 
 

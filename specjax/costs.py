@@ -1,13 +1,21 @@
-"""Step-cost measurement: the c and v(γ) of the ledger, timed as the engine runs them.
+"""Measurement: the c and v(γ) of the ledger, and paired timing of two methods.
 
-Each measurement runs many calls inside one jitted `lax.fori_loop` (as the decode loop
-does), rolling the cache back after each call so the context length stays fixed, and
-reports the best of a few repeats in seconds per call.
+Step costs run many calls inside one jitted `lax.fori_loop` (as the decode loop does),
+rolling the cache back after each call so the context length stays fixed, and report
+the best of a few repeats in seconds per call.
+
+Speedups are never a ratio of two separate passes: `paired` times a method and its
+baseline alternately (A B A B ...) and reports the median of the per-pair ratios with
+its min and max, so a shared machine slowing down for a while hits both sides alike.
 """
 
 from __future__ import annotations
 
+import os
+import platform
+import statistics
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +23,7 @@ import jax.numpy as jnp
 from specjax import decode as decode_lib
 from specjax import kv_cache
 from specjax import model as model_lib
+from specjax.sampling import Sampling
 
 
 def best_time(fn, *args, repeats: int = 5) -> float:
@@ -26,6 +35,57 @@ def best_time(fn, *args, repeats: int = 5) -> float:
     jax.block_until_ready(fn(*args))
     times.append(time.perf_counter() - start)
   return min(times)
+
+
+def paired(method: Callable[[], object], baseline: Callable[[], object], pairs: int = 3,
+           warmup: int = 1) -> dict:
+  """Times `method` and `baseline` alternately; ratio = baseline time / method time.
+
+  Each call must block until its work is done. Returns the per-pair times and the
+  median, min and max of the per-pair ratios (> 1: the method is faster).
+  """
+  for _ in range(warmup):
+    method()
+    baseline()
+  method_s, baseline_s = [], []
+  for i in range(max(pairs, 1)):
+    # Alternate which side goes first, so neither always runs on a warm cache.
+    order = ((method, method_s), (baseline, baseline_s))
+    for fn, out in (order if i % 2 == 0 else order[::-1]):
+      start = time.perf_counter()
+      fn()
+      out.append(time.perf_counter() - start)
+  ratios = [b / m for m, b in zip(method_s, baseline_s)]
+  return {"method_s": method_s, "baseline_s": baseline_s,
+          "ratio": statistics.median(ratios), "ratio_min": min(ratios),
+          "ratio_max": max(ratios)}
+
+
+def machine_info() -> dict:
+  """Where a measurement ran: recorded with every result."""
+  cpu = platform.processor() or platform.machine()
+  try:
+    with open("/proc/cpuinfo") as f:
+      cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                 cpu)
+  except OSError:
+    pass
+  devices = jax.devices()
+  return {"date": time.strftime("%Y-%m-%d"), "cpu": cpu, "cpu_count": os.cpu_count(),
+          "platform": platform.platform(), "jax": jax.__version__,
+          "backend": jax.default_backend(), "device_kind": devices[0].device_kind,
+          "device_count": len(devices), "xla_flags": os.environ.get("XLA_FLAGS", "")}
+
+
+def forward_flops(config, tokens: int, context: int) -> float:
+  """Multiply-adds x 2 of one cached forward of `tokens` new tokens per row at `context`."""
+  d, layers = config.d_model, config.n_layers
+  q_width = config.n_heads * config.dim_per_head
+  kv_width = config.kv_heads * config.dim_per_head
+  ff = config.ff_dim * (2 if config.mlp == "swiglu" else 1)
+  per_token = layers * (d * (q_width + 2 * kv_width) + q_width * d + d * ff + config.ff_dim * d
+                        + 2 * q_width * (context + tokens)) + d * config.vocab_size
+  return 2.0 * per_token * tokens
 
 
 def forward_cost(model, batch: int, tokens_per_call: int, context: int = 128,
@@ -53,11 +113,7 @@ def propose_cost(drafter, draft_params, batch: int, vocab_size: int, context: in
                  iters: int = 16, repeats: int = 5, temperature: float = 1.0) -> float:
   """Seconds per `drafter.propose` call (γ draft tokens per row), state rolled back each time."""
   cache_size = context + drafter.gamma + 66
-  sampling = decode_lib.Sampling(
-      temperature=jnp.full((batch,), temperature, jnp.float32),
-      top_k=jnp.zeros((batch,), jnp.int32), top_p=jnp.ones((batch,)),
-      max_new=jnp.zeros((batch,), jnp.int32), stop_seqs=jnp.zeros((1, 1), jnp.int32),
-      stop_lens=jnp.zeros((1,), jnp.int32))
+  sampling = Sampling.create(batch, temperature=temperature)
   tokens = jax.random.randint(jax.random.PRNGKey(0), (batch, cache_size), 0, vocab_size)
   n = jnp.full((batch,), context, jnp.int32)
 
@@ -77,23 +133,53 @@ def propose_cost(drafter, draft_params, batch: int, vocab_size: int, context: in
   return best_time(loop, draft_params, state, jax.random.PRNGKey(1), repeats=repeats) / iters
 
 
-def round_cost(target, prepared: dict, draft_params=None, rounds: int = 16,
-               repeats: int = 3) -> float:
+def step_costs(target, drafter, draft_params, batch: int, context: int,
+               temperature: float = 1.0, repeats: int = 3) -> dict:
+  """The ledger's costs, with the one definition of c used everywhere.
+
+  c = (one `drafter.propose` call, γ tokens, sampling included) / γ / (one cached
+  1-token target step); v(γ) = (one (γ+1)-token target pass) / (one 1-token step).
+  Both at the same context, batch and cache size.
+  """
+  gamma = drafter.gamma
+  cache = context + gamma + 130
+  t1 = forward_cost(target, batch, 1, context=context, cache_size=cache, repeats=repeats)
+  tv = forward_cost(target, batch, gamma + 1, context=context, cache_size=cache,
+                    repeats=repeats)
+  propose = propose_cost(drafter, draft_params, batch, target.config.vocab_size,
+                         context=context, repeats=repeats, temperature=temperature)
+  return {"target_step_s": t1, "verify_s": tv, "propose_s": propose,
+          "c": propose / gamma / t1, "v": tv / t1}
+
+
+def verify_costs(target, batch: int, gammas, context: int = 128,
+                 cache_size: int | None = None, repeats: int = 3) -> dict:
+  """v(γ) and achieved GFLOP/s of the (γ+1)-token pass for each γ (and of the 1-token step)."""
+  cache_size = cache_size or context + max(gammas) + 65
+  cost = lambda t: forward_cost(target, batch, t, context=context, cache_size=cache_size,
+                                repeats=repeats)
+  t1 = cost(1)
+  gflops = lambda t, s: batch * forward_flops(target.config, t, context) / s / 1e9
+  out = {"step_ms": t1 * 1e3, "step_gflops": gflops(1, t1), "by_gamma": {}}
+  for gamma in gammas:
+    tv = cost(gamma + 1)
+    out["by_gamma"][int(gamma)] = {"pass_ms": tv * 1e3, "v": tv / t1,
+                                   "gflops": gflops(gamma + 1, tv)}
+  return out
+
+
+def round_cost(prepared, rounds: int = 16, repeats: int = 3) -> float:
   """Seconds per decode round (draft + verify + commit) run back to back in one loop.
 
-  `prepared` is `specjax.generation.prepare(...)`'s output; its max_new_tokens must leave
-  room for `rounds` rounds. Prefill and host work are excluded.
+  `prepared` is `specjax.generation.prepare(...)`'s result; its max_new_tokens must
+  leave room for `rounds` rounds. Prefill and host work are excluded.
   """
-  drafter, sampling = prepared["drafter"], prepared["sampling"]
-  state = decode_lib.prefill(target.config, drafter, target.params, draft_params,
-                             prepared["tokens"], prepared["prompt_len"],
-                             prepared["prompt_width"], prepared["cache_size"],
-                             jax.random.PRNGKey(0))
+  state = prepared.prefill(jax.random.PRNGKey(0))
 
   @jax.jit
   def loop(state):
-    step = lambda _, s: decode_lib.decode_round(target.config, drafter, target.params,
-                                                draft_params, s, sampling)
+    step = lambda _, s: decode_lib.decode_round(prepared.engine, prepared.weights, s,
+                                                prepared.sampling)
     return jax.lax.fori_loop(0, rounds, step, state)
 
   return best_time(loop, state, repeats=repeats) / rounds

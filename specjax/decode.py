@@ -1,18 +1,21 @@
 """The jitted decode engine: prefill, then one `lax.while_loop` over rounds.
 
-One round (γ ≥ 0; γ = 0 is plain autoregressive decoding):
-  1. the drafter proposes y_1..y_γ with their distributions q (inside the jit);
-  2. the target scores [x_{n-1}, y_1..y_γ] in one cached pass -> p_1..p_{γ+1};
-  3. `verify` (vmapped over rows) accepts a prefix and draws the correction/bonus token;
-  4. the accepted prefix plus that token is committed, truncated by EOS, the token
-     budget and the context limit;
-  5. both caches roll back to the committed history: the token just committed has no
-     KV yet, it is the first input of the next round.
+One round (γ ≥ 0; γ = 0 is plain autoregressive decoding), numbered as in
+docs/ARCHITECTURE.md:
+  1. draft: the drafter proposes y_1..y_γ with their distributions q (inside the jit);
+  2. verify pass: the target scores [x_{n-1}, y_1..y_γ] in one cached pass -> p_1..p_{γ+1};
+  3. verify rule: `verify_batch` (vmapped over rows) accepts a prefix and draws the
+     correction/bonus token;
+  4. commit: the accepted prefix plus that token, cut by the budget, the context limit
+     and stop sequences;
+  5. rollback: both caches return to the committed history; the token just committed
+     has no KV yet, it is the first input of the next round.
 Rows accept different counts; each row's own `n` and KV `length` absorb it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -22,19 +25,31 @@ import jax.numpy as jnp
 
 from specjax import kv_cache
 from specjax import model as model_lib
-from specjax.sampling import process_logits
+from specjax.config import ModelConfig
+from specjax.sampling import Sampling
 from specjax.verify import verify_batch
 
 
+@dataclasses.dataclass(frozen=True)
+class Engine:
+  """The static half of a decode: what one compiled program is specialised to.
+
+  A frozen dataclass of configs hashes in microseconds (an NNX graphdef takes about a
+  millisecond on every call), so it is the jit's static argument.
+  """
+  target: ModelConfig
+  drafter: Any  # a drafter from `specjax.drafters` (frozen dataclass)
+
+  @property
+  def gamma(self) -> int:
+    return self.drafter.gamma
+
+
 @flax.struct.dataclass
-class Sampling:
-  """Traced per-row sampling settings (one compile serves every value)."""
-  temperature: jax.Array  # float32[B]; 0 = greedy
-  top_k: jax.Array  # int32[B]; 0 = off
-  top_p: jax.Array  # float32[B]; 1 = off
-  max_new: jax.Array  # int32[B]
-  stop_seqs: jax.Array  # int32[K, L] stop sequences, right-aligned; EOS ids are length 1
-  stop_lens: jax.Array  # int32[K]; a length-0 row never matches
+class Weights:
+  """The traced half: both parameter sets."""
+  target: Any
+  draft: Any = None  # None for token-only drafters
 
 
 @flax.struct.dataclass
@@ -48,6 +63,13 @@ class Stats:
   committed_hist: jax.Array  # int32[B, γ+2] histogram of tokens committed per round
   overlap_sum: jax.Array  # float32[B] Σ over verified positions of Σ_x min(p, q)
   overlap_count: jax.Array  # int32[B] verified positions
+
+  @classmethod
+  def zeros(cls, batch: int, gamma: int) -> "Stats":
+    zi = lambda *s: jnp.zeros((batch,) + s, jnp.int32)
+    return cls(rounds=zi(), drafted=zi(), accepted=zi(), committed=zi(),
+               accepted_at=zi(gamma), committed_hist=zi(gamma + 2),
+               overlap_sum=jnp.zeros((batch,), jnp.float32), overlap_count=zi())
 
 
 @flax.struct.dataclass
@@ -63,130 +85,147 @@ class DecodeState:
   stats: Stats
 
 
-def _init_stats(batch, gamma):
-  zi = lambda *s: jnp.zeros((batch,) + s, jnp.int32)
-  return Stats(rounds=zi(), drafted=zi(), accepted=zi(), committed=zi(),
-               accepted_at=zi(gamma), committed_hist=zi(gamma + 2),
-               overlap_sum=jnp.zeros((batch,), jnp.float32), overlap_count=zi())
+# ----------------------------------------------------------------------------
+# Commit (step 4), in three small pure pieces that the tests drive with literal tables.
 
 
-def _commit_length(new, n_accepted, state: DecodeState, sampling: Sampling, max_len):
-  """How many of the γ+1 candidate tokens to commit, and whether the row stops.
+def room_left(n, prompt_len, max_new, max_len, buffer_size, width):
+  """How many more tokens each row may commit: budget, context and buffer limits.
 
-  The commit ends at the budget, the context limit, or just after the first token that
-  completes a stop sequence (EOS is a stop sequence of length 1) lying wholly inside the
-  generated text; the stop tokens themselves are emitted.
+  The next round writes up to index n + width - 1 of the buffers, so a row stops before
+  they would overflow.
+  """
+  generated = n - prompt_len
+  return jnp.minimum(jnp.minimum(max_new - generated, max_len - n), buffer_size - width - n)
+
+
+def stop_hits(tokens, n, prompt_len, new, stop_seqs, stop_lens):
+  """bool[B, width]: candidate j completes a stop sequence lying wholly in new tokens.
+
+  EOS is a stop sequence of length 1. A match may start in an earlier round: the last
+  span-1 committed tokens are prepended to the candidates.
   """
   width = new.shape[1]
-  generated = state.n - state.prompt_len
-  # The next round writes up to index n + γ of the buffers: stop before they would overflow.
-  capacity = state.tokens.shape[1] - width - state.n
-  room = jnp.minimum(jnp.minimum(sampling.max_new - generated, max_len - state.n), capacity)
-  count = jnp.minimum(n_accepted + 1, room)
-  span = sampling.stop_seqs.shape[1]
-  # The last span-1 committed tokens, then the candidates: windows ending at each candidate.
-  history = jnp.take_along_axis(state.tokens, state.n[:, None] - (span - 1)
+  span = stop_seqs.shape[1]
+  history = jnp.take_along_axis(tokens, n[:, None] - (span - 1)
                                 + jnp.arange(span - 1)[None, :], axis=1, mode="clip")
   seq = jnp.concatenate([history, new], axis=1)  # [B, span-1+width]
   windows = jnp.stack([seq[:, j:j + span] for j in range(width)], axis=1)  # [B, width, span]
-  col = jnp.arange(span)
-  in_seq = col[None, :] >= span - sampling.stop_lens[:, None]  # [K, span]
-  same = (windows[:, :, None, :] == sampling.stop_seqs[None, None]) | ~in_seq[None, None]
-  idx = jnp.arange(width)[None, :]
-  starts = state.n[:, None] + idx  # absolute index of each candidate
-  inside = (starts[:, :, None] - sampling.stop_lens[None, None, :] + 1
-            >= state.prompt_len[:, None, None])
-  hit = jnp.any(jnp.all(same, axis=-1) & inside & (sampling.stop_lens > 0), axis=-1)
-  hit &= idx < count[:, None]
-  stopped = jnp.any(hit, axis=1)
-  count = jnp.where(stopped, jnp.argmax(hit, axis=1) + 1, count)
-  count = jnp.where(state.done, 0, count)
+  in_seq = jnp.arange(span)[None, :] >= span - stop_lens[:, None]  # [K, span]
+  same = (windows[:, :, None, :] == stop_seqs[None, None]) | ~in_seq[None, None]
+  starts = n[:, None] + jnp.arange(width)[None, :]  # absolute index of each candidate
+  inside = starts[:, :, None] - stop_lens[None, None, :] + 1 >= prompt_len[:, None, None]
+  return jnp.any(jnp.all(same, axis=-1) & inside & (stop_lens > 0), axis=-1)
+
+
+def commit_count(n_accepted, room, hits, done):
+  """(count, stops): tokens to commit per row, and whether the row is finished.
+
+  The commit is the accepted prefix plus one token, cut at the room left and just after
+  the first stop hit (stop tokens are emitted); finished rows commit nothing.
+  """
+  count = jnp.minimum(n_accepted + 1, room)
+  hits = hits & (jnp.arange(hits.shape[1])[None, :] < count[:, None])
+  stopped = jnp.any(hits, axis=1)
+  count = jnp.where(stopped, jnp.argmax(hits, axis=1) + 1, count)
+  count = jnp.where(done, 0, count)
   return count, stopped | (count >= room)
 
 
-def decode_round(target_config, drafter, target_params, draft_params, state: DecodeState,
-                 sampling: Sampling) -> DecodeState:
-  """One draft + verify round for every row: a pure function of its inputs."""
-  batch = state.n.shape[0]
-  gamma = drafter.gamma
-  key, draft_key, verify_key = jax.random.split(state.key, 3)
-
-  ys, qs, draft_state = drafter.propose(draft_params, state.draft_state, state.tokens,
-                                        state.n, draft_key, sampling)
-  pending = jnp.take_along_axis(state.tokens, (state.n - 1)[:, None], axis=1)
-  logits, target_kv = model_lib.forward_cached(
-      model_lib.graphdef_for(target_config), target_params,
-      jnp.concatenate([pending, ys], axis=1), state.target_kv)
-  ps = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-
-  row_keys = jax.vmap(jax.random.fold_in, (None, 0))(verify_key, jnp.arange(batch))
-  n_accepted, next_token, overlap = verify_batch(row_keys, ys, qs, ps)
-
-  # The accepted prefix y_1..y_a, then the correction/bonus token at index a.
-  idx = jnp.arange(gamma + 1)[None, :]
-  padded = jnp.concatenate([ys, next_token[:, None]], axis=1)
-  new = jnp.where(idx == n_accepted[:, None], next_token[:, None], padded)  # [B, γ+1]
-  count, stop = _commit_length(new, n_accepted, state, sampling, target_config.max_len)
-  old = jnp.take_along_axis(state.tokens, state.n[:, None] + idx, axis=1, mode="clip")
-  tokens = kv_cache.write(state.tokens, jnp.where(idx < count[:, None], new, old), state.n)
-  n = state.n + count
-
-  live = ~state.done
-  verified = jnp.minimum(n_accepted + 1, gamma)  # positions whose draft token was checked
-  s = state.stats
+def update_stats(s: Stats, live, n_accepted, count, overlap) -> Stats:
+  gamma = s.accepted_at.shape[1]
   li = live.astype(jnp.int32)
-  stats = Stats(
+  verified = jnp.minimum(n_accepted + 1, gamma)  # positions whose draft token was checked
+  pos = jnp.arange(gamma)[None, :]
+  return Stats(
       rounds=s.rounds + li,
       drafted=s.drafted + gamma * li,
       accepted=s.accepted + n_accepted * li,
       committed=s.committed + count,
-      accepted_at=s.accepted_at + (jnp.arange(gamma)[None, :] < n_accepted[:, None]) * li[:, None],
-      committed_hist=s.committed_hist + jax.nn.one_hot(count, gamma + 2, dtype=jnp.int32)
-      * li[:, None],
-      overlap_sum=s.overlap_sum + jnp.where(
-          live, jnp.sum(jnp.where(jnp.arange(gamma)[None, :] < verified[:, None], overlap, 0.0),
-                        axis=1), 0.0),
+      accepted_at=s.accepted_at + (pos < n_accepted[:, None]) * li[:, None],
+      committed_hist=s.committed_hist
+      + jax.nn.one_hot(count, gamma + 2, dtype=jnp.int32) * li[:, None],
+      overlap_sum=s.overlap_sum + li * jnp.sum(jnp.where(pos < verified[:, None], overlap, 0.0),
+                                               axis=1),
       overlap_count=s.overlap_count + verified * li,
   )
+
+
+# ----------------------------------------------------------------------------
+# The round.
+
+
+def _target_pass(engine: Engine, params, tokens, kv, empty=False):
+  """Cached target forward; also returns hidden states when the drafter reads them."""
+  graphdef = model_lib.graphdef_for(engine.target)
+  if getattr(engine.drafter, "uses_features", False):
+    return model_lib.forward_cached(graphdef, params, tokens, kv, empty=empty, hidden=True)
+  logits, kv = model_lib.forward_cached(graphdef, params, tokens, kv, empty=empty)
+  return logits, kv, None
+
+
+def decode_round(engine: Engine, weights: Weights, state: DecodeState,
+                 sampling: Sampling) -> DecodeState:
+  """One draft + verify round for every row: a pure function of its inputs."""
+  drafter = engine.drafter
+  key, draft_key, verify_key = jax.random.split(state.key, 3)
+
+  # 1. Draft.
+  ys, qs, draft_state = drafter.propose(weights.draft, state.draft_state, state.tokens,
+                                        state.n, draft_key, sampling)
+  # 2. Verify pass: the pending token and the γ drafts, one target call.
+  pending = jnp.take_along_axis(state.tokens, (state.n - 1)[:, None], axis=1)
+  logits, target_kv, features = _target_pass(
+      engine, weights.target, jnp.concatenate([pending, ys], axis=1), state.target_kv)
+  ps = sampling.process(logits)
+  # 3. Verify rule, one row at a time.
+  row_keys = jax.vmap(jax.random.fold_in, (None, 0))(verify_key, jnp.arange(ys.shape[0]))
+  n_accepted, next_token, overlap = verify_batch(row_keys, ys, qs, ps)
+  # 4. Commit y_1..y_a and the correction/bonus token (at index a).
+  idx = jnp.arange(drafter.gamma + 1)[None, :]
+  new = jnp.where(idx == n_accepted[:, None], next_token[:, None],
+                  jnp.concatenate([ys, next_token[:, None]], axis=1))  # [B, γ+1]
+  room = room_left(state.n, state.prompt_len, sampling.max_new, engine.target.max_len,
+                   state.tokens.shape[1], new.shape[1])
+  hits = stop_hits(state.tokens, state.n, state.prompt_len, new, sampling.stop_seqs,
+                   sampling.stop_lens)
+  count, stop = commit_count(n_accepted, room, hits, state.done)
+  tokens = kv_cache.write(state.tokens, new, state.n, count)
+  n = state.n + count
+  # 5. Rollback both caches to the committed history.
   return state.replace(
       tokens=tokens, n=n, done=state.done | stop,
       target_kv=target_kv.rollback(n - 1),
-      draft_state=drafter.rollback(draft_state, n),
-      key=key, target_calls=state.target_calls + 1, stats=stats)
+      draft_state=drafter.rollback(draft_state, n, features, state.n - 1),
+      key=key, target_calls=state.target_calls + 1,
+      stats=update_stats(state.stats, ~state.done, n_accepted, count, overlap))
 
 
-def prefill(target_config, drafter, target_params, draft_params, tokens, prompt_len,
-            prompt_width, cache_size, key) -> DecodeState:
+def prefill(engine: Engine, weights: Weights, tokens, prompt_len, prompt_width, cache_size,
+            key) -> DecodeState:
   """Builds both caches from the prompts; the last prompt token stays pending."""
   batch = tokens.shape[0]
   head = tokens[:, :prompt_width]
-  target_kv = kv_cache.init_kv(target_config, batch, cache_size)
-  _, target_kv = model_lib.forward_cached(model_lib.graphdef_for(target_config), target_params,
-                                          head, target_kv, empty=True)
-  draft_state = drafter.init(batch, cache_size)
-  draft_state = drafter.prefill(draft_params, draft_state, head, prompt_len)
+  target_kv = kv_cache.init_kv(engine.target, batch, cache_size)
+  _, target_kv, features = _target_pass(engine, weights.target, head, target_kv, empty=True)
+  draft_state = engine.drafter.init(batch, cache_size)
+  draft_state = engine.drafter.prefill(weights.draft, draft_state, head, prompt_len, features)
   return DecodeState(
       tokens=tokens, n=prompt_len, prompt_len=prompt_len,
       done=jnp.zeros((batch,), bool), target_kv=target_kv.rollback(prompt_len - 1),
       draft_state=draft_state, key=key, target_calls=jnp.zeros((), jnp.int32),
-      stats=_init_stats(batch, drafter.gamma))
+      stats=Stats.zeros(batch, engine.gamma))
 
 
-def run_loop(target_config, drafter, target_params, draft_params, state, sampling):
+def run_loop(engine: Engine, weights: Weights, state: DecodeState, sampling: Sampling):
   """All rounds in one while_loop; no host sync until every row is done."""
-  body = functools.partial(decode_round, target_config, drafter, target_params, draft_params,
-                           sampling=sampling)
-  return jax.lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: body(state=s), state)
+  return jax.lax.while_loop(lambda s: ~jnp.all(s.done),
+                            lambda s: decode_round(engine, weights, s, sampling), state)
 
 
-# Static arguments are configs, not NNX graphdefs: the graph is a function of the config
-# (`graphdef_for`), and a frozen dataclass hashes in microseconds where a graphdef takes
-# about a millisecond on every call.
-@functools.partial(jax.jit, static_argnames=("target_config", "drafter", "prompt_width",
-                                             "cache_size"))
-def decode(target_config, drafter, prompt_width, cache_size, target_params, draft_params,
-           tokens, prompt_len, sampling: Sampling, key) -> DecodeState:
-  """Prefill + every round, compiled once per (configs, γ, shapes)."""
-  state = prefill(target_config, drafter, target_params, draft_params, tokens, prompt_len,
-                  prompt_width, cache_size, key)
-  return run_loop(target_config, drafter, target_params, draft_params, state, sampling)
+@functools.partial(jax.jit, static_argnames=("engine", "prompt_width", "cache_size"))
+def decode(engine: Engine, prompt_width: int, cache_size: int, weights: Weights, tokens,
+           prompt_len, sampling: Sampling, key) -> DecodeState:
+  """Prefill + every round, compiled once per (engine, shapes)."""
+  state = prefill(engine, weights, tokens, prompt_len, prompt_width, cache_size, key)
+  return run_loop(engine, weights, state, sampling)

@@ -3,15 +3,19 @@
 A drafter is a frozen (hashable) dataclass, so it is a static argument of the jitted
 decode loop, with four pure methods:
 
-  init(batch, size)                      -> state (a pytree; may be empty)
-  prefill(params, state, tokens, n)      -> state, ready for the first round
+  init(batch, size)                          -> state (a pytree; may be empty)
+  prefill(params, state, tokens, n, features) -> state, ready for the first round
   propose(params, state, tokens, n, key, sampling)
-                                         -> (y int[B, γ], q [B, γ, V], state)
-  rollback(state, n)                     -> state consistent with the committed n
+                                             -> (y int[B, γ], q [B, γ, V], state)
+  rollback(state, n, features, start)        -> state consistent with the committed n
 
 `tokens[B, S]` is the sequence buffer and `n[B]` the committed length of each row; the
 last committed token (index n-1) has no KV yet on either side. q is the distribution
 each y was drawn from (one-hot for token-only drafts).
+
+A drafter whose `uses_features` is True (a head on the target's hidden states) gets
+the target's last hidden states: of the prompt prefill in `prefill`, and of the verify
+pass (inputs at positions start[b]..start[b]+γ) in `rollback`. Everything else gets None.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import jax.numpy as jnp
 from specjax import kv_cache
 from specjax import model as model_lib
 from specjax.config import ModelConfig
-from specjax.sampling import process_logits, sample
+from specjax.sampling import sample
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,18 +37,19 @@ class NoDrafter:
 
   vocab_size: int
   gamma: int = 0
+  uses_features = False
 
   def init(self, batch, size):
     return ()
 
-  def prefill(self, params, state, tokens, n):
+  def prefill(self, params, state, tokens, n, features=None):
     return state
 
   def propose(self, params, state, tokens, n, key, sampling):
     b = tokens.shape[0]
     return (jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0, self.vocab_size), jnp.float32), state)
 
-  def rollback(self, state, n):
+  def rollback(self, state, n, features=None, start=None):
     return state
 
 
@@ -59,6 +64,7 @@ class ModelDrafter:
   config: ModelConfig
   gamma: int
   sample_mode: str = "probabilistic"
+  uses_features = False
 
   @property
   def graphdef(self):
@@ -67,7 +73,7 @@ class ModelDrafter:
   def init(self, batch, size):
     return kv_cache.init_kv(self.config, batch, size)
 
-  def prefill(self, params, kv, tokens, n):  # kv comes fresh from `init`
+  def prefill(self, params, kv, tokens, n, features=None):  # kv comes fresh from `init`
     _, kv = model_lib.forward_cached(self.graphdef, params, tokens, kv, empty=True)
     return kv.rollback(n - 1)
 
@@ -77,7 +83,7 @@ class ModelDrafter:
       return y, jax.nn.one_hot(y, logits.shape[-1], dtype=jnp.float32)
 
     def draw():
-      q = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+      q = sampling.process(logits)
       return sample(key, q), q
 
     if self.sample_mode == "greedy":
@@ -110,7 +116,7 @@ class ModelDrafter:
     qs = jnp.concatenate([qs, q_last[None]], axis=0).swapaxes(0, 1)  # [B, γ, V]
     return ys, qs, kv
 
-  def rollback(self, kv, n):
+  def rollback(self, kv, n, features=None, start=None):
     # Valid KV = the committed history (all but the pending token) ∩ what it computed.
     return kv.rollback(jnp.minimum(kv.length, n - 1))
 
@@ -130,11 +136,12 @@ class NgramDrafter:
   gamma: int
   min_n: int = 1
   max_n: int = 4
+  uses_features = False
 
   def init(self, batch, size):
     return ()
 
-  def prefill(self, params, state, tokens, n):
+  def prefill(self, params, state, tokens, n, features=None):
     return state
 
   def _propose_row(self, tokens, n):
@@ -156,5 +163,5 @@ class NgramDrafter:
     y = jax.vmap(self._propose_row)(tokens, n).astype(jnp.int32)
     return y, jax.nn.one_hot(y, self.vocab_size, dtype=jnp.float32), state
 
-  def rollback(self, state, n):
+  def rollback(self, state, n, features=None, start=None):
     return state

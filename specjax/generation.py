@@ -13,9 +13,30 @@ import numpy as np
 from specjax import decode as decode_lib
 from specjax import drafters as drafters_lib
 from specjax.model import Model
+from specjax.sampling import Sampling
 
 DRAFTERS = ("model", "ngram")
 DRAFT_SAMPLE_MODES = ("probabilistic", "greedy")
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+  """Everything the engine needs for one batch, checked: `prepare`'s result."""
+  engine: decode_lib.Engine  # static: compiled once per engine and shapes
+  weights: decode_lib.Weights
+  prompt_width: int
+  cache_size: int
+  tokens: jax.Array  # int32[B, cache_size], prompts left-aligned
+  prompt_len: jax.Array  # int32[B]
+  sampling: Sampling
+
+  def prefill(self, key) -> decode_lib.DecodeState:
+    return decode_lib.prefill(self.engine, self.weights, self.tokens, self.prompt_len,
+                              self.prompt_width, self.cache_size, key)
+
+  def run(self, key) -> decode_lib.DecodeState:
+    return decode_lib.decode(self.engine, self.prompt_width, self.cache_size, self.weights,
+                             self.tokens, self.prompt_len, self.sampling, key)
 
 
 @dataclasses.dataclass
@@ -91,6 +112,9 @@ def check_prompts(prompts, model: Model) -> list[list[int]]:
 def make_drafter(target: Model, draft: Model | None, drafter: str | None, gamma: int,
                  draft_sample: str, ngram_min: int, ngram_max: int):
   """Validates the speculative settings and builds the static drafter object."""
+  if draft is not None and not isinstance(draft, Model):
+    raise ValueError(f"draft must be a specjax Model (from load_pretrained, init_model or "
+                     f"load_hf_model), got {type(draft).__name__}")
   if drafter is None:
     drafter = "model" if draft is not None else None
   if drafter is None:
@@ -128,7 +152,6 @@ def with_rates(counts: dict[str, Any]) -> dict[str, Any]:
       alpha_hat=counts["overlap_sum"] / counts["overlap_count"] if counts["overlap_count"]
       else nan,
       # Per sequence: every round is one target call for each live row.
-      tokens_per_round=committed / rounds if rounds else nan,
       tokens_per_target_call=committed / rounds if rounds else nan,
       # P(position i accepted | the round reached it)
       acceptance_by_position=[a / r if r else nan for a, r in
@@ -183,9 +206,12 @@ def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p
   if longest + max_new_tokens > target.config.max_len:
     raise ValueError(f"prompt length {longest} + max_new_tokens {max_new_tokens} exceeds the "
                      f"target's context max_len={target.config.max_len}")
-  temperature = _per_row("temperature", temperature, batch, "iuf").astype(np.float32)
+  temperature = _per_row("temperature", temperature, batch, "iuf").astype(np.float64)
   if not np.all(np.isfinite(temperature)) or np.any(temperature < 0):
-    raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature.tolist()}")
+    raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), "
+                     f"got {temperature.tolist()}")
+  if np.any(temperature > np.finfo(np.float32).max):
+    raise ValueError(f"temperature must fit in float32 (<= 3.4e38), got {temperature.tolist()}")
   top_p = _per_row("top_p", top_p, batch, "iuf").astype(np.float32)
   if not np.all((top_p > 0) & (top_p <= 1)):
     raise ValueError(f"top_p must be in (0, 1], got {top_p.tolist()}")
@@ -207,16 +233,15 @@ def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p
   tokens = np.zeros((batch, cache_size), np.int32)
   for i, p in enumerate(prompts):
     tokens[i, :len(p)] = p
-  sampling = decode_lib.Sampling(
-      temperature=jnp.asarray(temperature), top_k=jnp.asarray(top_k),
-      top_p=jnp.asarray(top_p),
-      max_new=jnp.full((batch,), max_new_tokens, jnp.int32),
-      stop_seqs=stop_seqs, stop_lens=stop_lens)
-  return dict(drafter=drafter_obj, prompt_width=prompt_width, cache_size=cache_size,
-              tokens=jnp.asarray(tokens),
-              prompt_len=jnp.asarray([len(p) for p in prompts], jnp.int32),
-              sampling=sampling, draft_params=None if draft is None or drafter == "ngram"
-              else draft.params)
+  sampling = Sampling.create(batch, temperature=temperature, top_k=top_k, top_p=top_p,
+                             max_new=max_new_tokens, stop_seqs=stop_seqs, stop_lens=stop_lens)
+  uses_draft = isinstance(drafter_obj, drafters_lib.ModelDrafter)
+  return Prepared(
+      engine=decode_lib.Engine(target=target.config, drafter=drafter_obj),
+      weights=decode_lib.Weights(target=target.params,
+                                 draft=draft.params if uses_draft else None),
+      prompt_width=prompt_width, cache_size=cache_size, tokens=jnp.asarray(tokens),
+      prompt_len=jnp.asarray([len(p) for p in prompts], jnp.int32), sampling=sampling)
 
 
 def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.0, top_k=0,
@@ -257,14 +282,11 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
                  draft=draft, gamma=gamma,
                  drafter=drafter, draft_sample=draft_sample, ngram_min=ngram_min,
                  ngram_max=ngram_max)
-  state = decode_lib.decode(
-      target.config, args["drafter"], args["prompt_width"],
-      args["cache_size"], target.params, args["draft_params"], args["tokens"],
-      args["prompt_len"], args["sampling"], jax.random.PRNGKey(seed))
+  state = args.run(jax.random.PRNGKey(seed))
   tokens, n, prompt_len = jax.device_get((state.tokens, state.n, state.prompt_len))
   new = [tokens[i, prompt_len[i]:n[i]].tolist() for i in range(len(n))]
   texts = None
   if target.tokenizer is not None:
     texts = [target.tokenizer.decode(t) for t in new]
-  return GenerateResult(tokens=new, stats=summarize_stats(state, args["drafter"].gamma),
+  return GenerateResult(tokens=new, stats=summarize_stats(state, args.engine.gamma),
                         texts=texts)

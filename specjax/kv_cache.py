@@ -27,10 +27,6 @@ class KVState:
     """S: the number of slots per row."""
     return self.k[0].shape[2]
 
-  @property
-  def batch(self) -> int:
-    return self.k[0].shape[0]
-
   def rollback(self, length: jax.Array) -> "KVState":
     """Keep only the first `length[b]` positions of each row valid."""
     return self.replace(length=jnp.asarray(length, jnp.int32))
@@ -42,19 +38,18 @@ def init_kv(cfg: ModelConfig, batch: int, size: int, dtype=jnp.float32) -> KVSta
   return KVState(k=zeros, v=zeros, length=jnp.zeros((batch,), jnp.int32))
 
 
-def write(buffer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
-  """Writes new[b, t] into buffer[b, start[b] + t]; writes past the end are dropped."""
+def write(buffer: jax.Array, new: jax.Array, start: jax.Array, count=None) -> jax.Array:
+  """Writes new[b, t] at slot start[b] + t of row b, for t < count[b] (default: all).
+
+  Token buffers are [B, S] with new [B, T]; KV buffers are [B, H, S, D] with new
+  [B, T, H, D] (advanced indices split by a slice index come out as [B, T, H, D]).
+  Writes past the end are dropped, never shifted: a scatter, not dynamic_update_slice.
+  """
   b, t = new.shape[:2]
   rows = jnp.arange(b)[:, None]
   cols = start[:, None] + jnp.arange(t)[None, :]
-  return buffer.at[rows, cols].set(new.astype(buffer.dtype), mode="drop")
-
-
-def write_kv(buffer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
-  """buffer [B, H, S, D] gets new [B, T, H, D] at slots start[b]..; overflow is dropped."""
-  b, t = new.shape[:2]
-  rows = jnp.arange(b)[:, None]
-  cols = start[:, None] + jnp.arange(t)[None, :]
-  # Advanced indices split by a slice index as [B, T, H, D]: the layout `new` has.
-  # A scatter, not dynamic_update_slice, which would shift an overflowing write left.
-  return buffer.at[rows, :, cols].set(new.astype(buffer.dtype), mode="drop")
+  if count is not None:
+    slots = buffer.shape[2 if buffer.ndim == 4 else 1]
+    cols = jnp.where(jnp.arange(t)[None, :] < count[:, None], cols, slots)  # dropped
+  index = (rows, slice(None), cols) if buffer.ndim == 4 else (rows, cols)
+  return buffer.at[index].set(new.astype(buffer.dtype), mode="drop")

@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from specjax import kv_cache
@@ -32,13 +33,36 @@ def _norm(cfg: ModelConfig, rngs):
   return nnx.LayerNorm(cfg.d_model, epsilon=cfg.norm_eps, rngs=rngs)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
+  """RoPE inverse frequencies float32[head_dim // 2], with `cfg.rope_scaling` applied.
+
+  Computed in float64 on the host (a constant of the traced program). 'llama3' scaling
+  (Llama 3.1+) divides the low frequencies (wavelengths beyond
+  original_max / low_freq_factor) by `factor`, keeps the high ones (wavelengths under
+  original_max / high_freq_factor) and interpolates smoothly in between.
+  """
+  dim = cfg.dim_per_head
+  inv_freq = 1.0 / cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+  scaling = dict(cfg.rope_scaling or ())
+  if scaling.get("rope_type") == "llama3":
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * np.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low)
+    inv_freq = np.where(wavelen > old_len / low, inv_freq / factor,
+                        np.where(wavelen < old_len / high, inv_freq,
+                                 (1 - smooth) * inv_freq / factor + smooth * inv_freq))
+  elif scaling:
+    raise ValueError(f"unsupported rope_scaling {scaling}")
+  return inv_freq.astype(np.float32)
+
+
+def rope(x: jax.Array, positions: jax.Array, freqs) -> jax.Array:
   """Rotary embedding in the rotate-half layout (the one Hugging Face Llama uses).
 
-  x: [B, T, H, D]; positions: int[B, T].
+  x: [B, T, H, D]; positions: int[B, T]; freqs: float32[D // 2], `rope_frequencies`.
   """
   half = x.shape[-1] // 2
-  freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
   angles = positions[..., None].astype(jnp.float32) * freqs  # [B, T, half]
   cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
   x1, x2 = x[..., :half], x[..., half:]
@@ -82,6 +106,9 @@ class Attention(nnx.Module):
     # q, k and v in one matmul: fewer, larger ops are what a small model needs on CPU.
     self.qkv = _dense(rngs, cfg.d_model, (h + 2 * kvh) * d, cfg.qkv_bias, 0.02)
     self.out = _dense(rngs, h * d, cfg.d_model, cfg.out_bias, 0.02 / (2 * cfg.n_layers) ** 0.5)
+    if cfg.qk_norm:  # only then, so other configs' parameter trees stay as they were
+      self.q_norm = nnx.RMSNorm(d, epsilon=cfg.norm_eps, rngs=rngs)
+      self.k_norm = nnx.RMSNorm(d, epsilon=cfg.norm_eps, rngs=rngs)
 
   def __call__(self, x, positions, cache=None, read_cache=True):
     """x: [B, T, d_model]; positions: int[B, T]; cache: (k, v, length) or None.
@@ -96,8 +123,11 @@ class Attention(nnx.Module):
     q = qkv[..., : h * d].reshape(b, t, h, d)
     k = qkv[..., h * d: (h + kvh) * d].reshape(b, t, kvh, d)
     v = qkv[..., (h + kvh) * d:].reshape(b, t, kvh, d)
+    if cfg.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
     if cfg.position == "rope":
-      q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
+      freqs = rope_frequencies(cfg)
+      q, k = rope(q, positions, freqs), rope(k, positions, freqs)
     if cache is None:
       return self.out(attend(q, k, v)), None
     out = attend(q, k, v, cache if read_cache else None)
@@ -105,8 +135,8 @@ class Attention(nnx.Module):
     # The write depends on the attention output, so XLA must read the old buffers first
     # and may then update them in place; otherwise it copies both caches every step.
     zero = (0 * out[:, :1, :1])[..., None]  # [B, 1, 1, 1]: each row waits on its own read
-    k_buf = kv_cache.write_kv(k_buf, k + zero, length)
-    v_buf = kv_cache.write_kv(v_buf, v + zero, length)
+    k_buf = kv_cache.write(k_buf, k + zero, length)
+    v_buf = kv_cache.write(v_buf, v + zero, length)
     return self.out(out), (k_buf, v_buf)
 
 
@@ -158,8 +188,12 @@ class Transformer(nnx.Module):
       self.lm_head = _dense(rngs, cfg.d_model, cfg.vocab_size, False, 0.02)
 
   def __call__(self, tokens, positions, kv: kv_cache.KVState | None = None,
-               read_cache: bool = True):
-    """tokens, positions: int[B, T] -> (logits float32[B, T, V], new k/v per layer)."""
+               read_cache: bool = True, hidden: bool = False):
+    """tokens, positions: int[B, T] -> (logits float32[B, T, V], new k/v per layer).
+
+    hidden=True adds a third output: the residual stream after the last block, before
+    the final norm, [B, T, d_model] (the features that EAGLE / Medusa heads read).
+    """
     x = self.embed(tokens)
     if self.cfg.position == "learned":
       # Positions past max_len only occur for draft tokens that can never be committed.
@@ -171,12 +205,14 @@ class Transformer(nnx.Module):
       if new_cache is not None:
         ks.append(new_cache[0])
         vs.append(new_cache[1])
+    features = x
     x = self.final_norm(x)
     if self.cfg.tie_embeddings:
       logits = self.embed.attend(x)
     else:
       logits = self.lm_head(x)
-    return logits.astype(jnp.float32), (tuple(ks), tuple(vs))
+    out = logits.astype(jnp.float32), (tuple(ks), tuple(vs))
+    return out + (features,) if hidden else out
 
 
 # ----------------------------------------------------------------------------
@@ -193,30 +229,37 @@ def merge(graphdef, params: Params) -> Transformer:
   return nnx.merge(graphdef, params)
 
 
-def forward(graphdef, params: Params, tokens: jax.Array) -> jax.Array:
-  """Uncached forward over whole sequences: int[B, T] -> float32[B, T, V]."""
+def forward(graphdef, params: Params, tokens: jax.Array, hidden: bool = False):
+  """Uncached forward over whole sequences: int[B, T] -> float32[B, T, V].
+
+  hidden=True returns (logits, features [B, T, d_model]): see `Transformer.__call__`.
+  """
   module = merge(graphdef, params)
   b, t = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  logits, _ = module(tokens, positions)
-  return logits
+  out = module(tokens, positions, hidden=hidden)
+  return (out[0], out[2]) if hidden else out[0]
 
 
 def forward_cached(graphdef, params: Params, tokens: jax.Array, kv: kv_cache.KVState,
-                   empty: bool = False):
+                   empty: bool = False, hidden: bool = False):
   """Feeds tokens int[B, T] at each row's own `kv.length`; returns (logits, kv + T).
 
   empty=True promises every row's length is 0 (a prefill), so the cache is not read.
+  hidden=True returns (logits, kv + T, features [B, T, d_model]).
   """
   module = merge(graphdef, params)
   t = tokens.shape[1]
   positions = kv.length[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-  logits, (ks, vs) = module(tokens, positions, kv, read_cache=not empty)
-  return logits, kv_cache.KVState(k=ks, v=vs, length=kv.length + t)
+  logits, (ks, vs), *features = module(tokens, positions, kv, read_cache=not empty,
+                                       hidden=hidden)
+  kv = kv_cache.KVState(k=ks, v=vs, length=kv.length + t)
+  return (logits, kv, features[0]) if hidden else (logits, kv)
 
 
-forward_jit = jax.jit(forward, static_argnums=0)
-forward_cached_jit = jax.jit(forward_cached, static_argnums=0, static_argnames="empty")
+forward_jit = jax.jit(forward, static_argnums=0, static_argnames="hidden")
+forward_cached_jit = jax.jit(forward_cached, static_argnums=0,
+                             static_argnames=("empty", "hidden"))
 
 
 def count_params(params: Params) -> int:
@@ -256,10 +299,19 @@ class Model:
 
 
 @functools.lru_cache(maxsize=None)
+def _abstract(cfg: ModelConfig):
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))))
+  return graphdef, nnx.to_pure_dict(state)
+
+
 def graphdef_for(cfg: ModelConfig):
-  """The static graph of a config, built without allocating weights."""
-  abstract = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
-  return nnx.split(abstract)[0]
+  """The static graph of a config, built without allocating weights (one per config)."""
+  return _abstract(cfg)[0]
+
+
+def abstract_params(cfg: ModelConfig) -> Params:
+  """The params dict of `cfg` with a `jax.ShapeDtypeStruct` per leaf; nothing allocated."""
+  return jax.tree_util.tree_map(lambda leaf: leaf, _abstract(cfg)[1])
 
 
 def init_model(cfg: ModelConfig, seed: int = 0) -> Model:

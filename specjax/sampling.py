@@ -10,8 +10,40 @@ the first argmax of the raw logits, not a small temperature.
 
 from __future__ import annotations
 
+import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+
+@flax.struct.dataclass
+class Sampling:
+  """Traced per-row sampling settings: one compile serves every value.
+
+  Built by `Sampling.create`, the one place that fills the defaults.
+  """
+  temperature: jax.Array  # float32[B]; 0 = greedy
+  top_k: jax.Array  # int32[B]; 0 = off
+  top_p: jax.Array  # float32[B]; 1 = off
+  max_new: jax.Array  # int32[B]
+  stop_seqs: jax.Array  # int32[K, L] stop sequences, right-aligned; EOS ids are length 1
+  stop_lens: jax.Array  # int32[K]; a length-0 row never matches
+
+  @classmethod
+  def create(cls, batch: int, temperature=1.0, top_k=0, top_p=1.0, max_new=0,
+             stop_seqs=None, stop_lens=None) -> "Sampling":
+    """Scalars or [batch] values; no stop table means none (one length-0 row)."""
+    row = lambda x, dtype: jnp.broadcast_to(jnp.asarray(x, dtype), (batch,))
+    if stop_seqs is None:
+      stop_seqs, stop_lens = np.zeros((1, 1), np.int32), np.zeros((1,), np.int32)
+    return cls(temperature=row(temperature, jnp.float32), top_k=row(top_k, jnp.int32),
+               top_p=row(top_p, jnp.float32), max_new=row(max_new, jnp.int32),
+               stop_seqs=jnp.asarray(stop_seqs, jnp.int32),
+               stop_lens=jnp.asarray(stop_lens, jnp.int32))
+
+  def process(self, logits: jax.Array) -> jax.Array:
+    """logits [B, ..., V] -> the distributions sampled from, with these settings."""
+    return process_logits(logits, self.temperature, self.top_k, self.top_p)
 
 
 def _param(x, lead_shape, dtype):

@@ -55,9 +55,7 @@ def verify(key: jax.Array, draft_tokens: jax.Array, q: jax.Array, p: jax.Array):
   gamma, vocab = q.shape
   key_accept, key_next = jax.random.split(key)
   u = jax.random.uniform(key_accept, (gamma,))
-  idx = jnp.arange(gamma)
-  py, qy = p[idx, draft_tokens], q[idx, draft_tokens]
-  accepted = u * qy < py  # u < p/q without a division; q(y) = 0 < p(y) accepts
+  accepted = u < acceptance_prob(p[:gamma], q, draft_tokens)  # u < 1 always: a = 1 accepts
   n_accepted = jnp.sum(jnp.cumprod(accepted.astype(jnp.int32))).astype(jnp.int32)
   # Row γ of the padded q is zero, so the "residual" there is p_{γ+1}: the bonus.
   q_pad = jnp.concatenate([q, jnp.zeros((1, vocab), q.dtype)], axis=0)

@@ -11,7 +11,7 @@ from experiments import plots
 
 FIELDS = {"drafter", "gamma", "temperature", "top_p", "batch_size", "rows", "rounds",
           "target_calls", "drafted", "accepted", "committed", "acceptance_rate", "alpha_hat",
-          "tokens_per_round", "tokens_per_target_call", "expected_tokens", "tokens_per_s",
+          "tokens_per_target_call", "speedup_min", "speedup_max", "expected_tokens", "tokens_per_s",
           "target_only_tokens_per_s", "speedup", "c", "v", "predicted_speedup",
           "acceptance_by_position", "committed_hist"}
 

@@ -85,7 +85,7 @@ class CachedForwardTest(parameterized.TestCase):
     # onto valid history.
     kv = jnp.zeros((1, 2, 6, 1))
     new = jnp.arange(1.0, 4.0)[None, :, None, None] * jnp.array([1.0, 10.0])[None, None, :, None]
-    out = kv_cache.write_kv(kv, new, jnp.array([4]))
+    out = kv_cache.write(kv, new, jnp.array([4]))
     np.testing.assert_array_equal(out[0, :, :, 0], [[0, 0, 0, 0, 1, 2], [0, 0, 0, 0, 10, 20]])
 
 

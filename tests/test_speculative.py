@@ -103,11 +103,8 @@ class GreedyTest(parameterized.TestCase):
 def _one_round_setup(target, draft, prompts, gamma, temperature, seed=0, max_new=20):
   args = prepare(target, prompts, max_new_tokens=max_new, temperature=temperature, top_k=0,
                  top_p=1.0, eos_id=None, draft=draft, gamma=gamma)
-  state = decode_lib.prefill(target.config, args["drafter"], target.params,
-                             draft.params, args["tokens"], args["prompt_len"],
-                             args["prompt_width"], args["cache_size"], jax.random.PRNGKey(seed))
-  step = jax.jit(lambda s: decode_lib.decode_round(
-      target.config, args["drafter"], target.params, draft.params, s, args["sampling"]))
+  state = args.prefill(jax.random.PRNGKey(seed))
+  step = jax.jit(lambda s: decode_lib.decode_round(args.engine, args.weights, s, args.sampling))
   return state, step, args
 
 
