@@ -84,7 +84,8 @@ def merge_stats(stats: list[dict]) -> dict:
     values = [s[key] for s in stats]
     counts[key] = ([int(x) for x in np.sum(values, axis=0)] if isinstance(values[0], list)
                    else sum(values))
-  return dict(gamma=stats[0]["gamma"], **generation.with_rates(counts))
+  return dict(gamma=stats[0]["gamma"], lossless=all(s.get("lossless", True) for s in stats),
+              **generation.with_rates(counts))
 
 
 def step_costs(target, draft, drafter: str, gamma: int, batch: int, context: int,

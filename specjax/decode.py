@@ -27,7 +27,7 @@ from specjax import kv_cache
 from specjax import model as model_lib
 from specjax.config import ModelConfig
 from specjax.sampling import Sampling
-from specjax.verify import verify_batch
+from specjax.verify import ExactRule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +39,7 @@ class Engine:
   """
   target: ModelConfig
   drafter: Any  # a drafter from `specjax.drafters` (frozen dataclass)
+  rule: Any = ExactRule()  # a verify rule from `specjax.verify` (frozen dataclass)
 
   @property
   def gamma(self) -> int:
@@ -180,7 +181,7 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
   ps = sampling.process(logits)
   # 3. Verify rule, one row at a time.
   row_keys = jax.vmap(jax.random.fold_in, (None, 0))(verify_key, jnp.arange(ys.shape[0]))
-  n_accepted, next_token, overlap = verify_batch(row_keys, ys, qs, ps)
+  n_accepted, next_token, overlap = engine.rule(row_keys, ys, qs, ps)
   # 4. Commit y_1..y_a and the correction/bonus token (at index a).
   idx = jnp.arange(drafter.gamma + 1)[None, :]
   new = jnp.where(idx == n_accepted[:, None], next_token[:, None],

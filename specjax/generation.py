@@ -288,5 +288,5 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
   texts = None
   if target.tokenizer is not None:
     texts = [target.tokenizer.decode(t) for t in new]
-  return GenerateResult(tokens=new, stats=summarize_stats(state, args.engine.gamma),
-                        texts=texts)
+  stats = dict(summarize_stats(state, args.engine.gamma), lossless=args.engine.rule.lossless)
+  return GenerateResult(tokens=new, stats=stats, texts=texts)

@@ -14,6 +14,8 @@ p(y) and the residual "p without y, renormalised".
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -66,3 +68,16 @@ def verify(key: jax.Array, draft_tokens: jax.Array, q: jax.Array, p: jax.Array):
 
 
 verify_batch = jax.vmap(verify)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExactRule:
+  """The lossless rule above. A verify rule is a frozen dataclass (a static argument of
+  the engine) with `lossless` and `__call__(keys[B], ys[B, γ], qs[B, γ, V], ps[B, γ+1, V])
+  -> (n_accepted int32[B], next_token int32[B], overlap float32[B, γ])`; any rule other
+  than this one must set `lossless = False`.
+  """
+  lossless = True
+
+  def __call__(self, keys, ys, qs, ps):
+    return verify_batch(keys, ys, qs, ps)
