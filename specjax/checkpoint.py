@@ -57,10 +57,7 @@ def _key(path) -> str:
 
 def _reference_leaves(cfg: ModelConfig):
   """[(key, ShapeDtypeStruct)] of a config's parameters and the treedef to rebuild them."""
-  from flax import nnx
-  abstract = nnx.eval_shape(lambda: model_lib.Transformer(cfg, nnx.Rngs(0)))
-  shapes = nnx.to_pure_dict(nnx.state(abstract))
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(model_lib.abstract_params(cfg))
   return [(_key(p), leaf) for p, leaf in leaves], treedef
 
 
@@ -131,10 +128,6 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     raise CheckpointError(f"{manifest_path} has version {manifest.get('version')}, "
                           f"this code reads version {VERSION}")
   return manifest
-
-
-def load_config(path: str | os.PathLike) -> ModelConfig:
-  return ModelConfig.from_dict(read_manifest(path)["config"])
 
 
 def load_params(path: str | os.PathLike, dtype=None):

@@ -4,7 +4,47 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 from typing import Any
+
+# RoPE frequency scalings ModelConfig computes, and the parameters each one needs.
+ROPE_SCALINGS = {
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+               "original_max_position_embeddings"),
+}
+
+
+def _rope_scaling(value) -> tuple[tuple[str, Any], ...]:
+  """A rope_scaling dict (or (key, value) pairs) as sorted, validated, hashable pairs."""
+  try:
+    d = dict(value)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"ModelConfig.rope_scaling must be a dict or (key, value) pairs, "
+                     f"got {value!r}") from e
+  kind = d.get("rope_type")
+  if kind not in ROPE_SCALINGS:
+    raise ValueError(f"ModelConfig.rope_scaling rope_type {kind!r} is not supported "
+                     f"(known: {', '.join(ROPE_SCALINGS)})")
+  keys = ROPE_SCALINGS[kind]
+  missing = [k for k in keys if k not in d]
+  unknown = sorted(set(d) - set(keys) - {"rope_type"})
+  if missing or unknown:
+    raise ValueError(f"ModelConfig.rope_scaling for {kind!r} needs exactly {', '.join(keys)}: "
+                     f"missing {missing}, unknown {unknown}")
+  for k in keys:
+    v = d[k]
+    if not isinstance(v, numbers.Real) or isinstance(v, bool) or not v > 0:
+      raise ValueError(f"ModelConfig.rope_scaling {k} must be a positive number, got {v!r}")
+  if kind == "llama3":
+    if not d["high_freq_factor"] > d["low_freq_factor"]:
+      raise ValueError("ModelConfig.rope_scaling needs high_freq_factor > low_freq_factor, got "
+                       f"{d['high_freq_factor']} and {d['low_freq_factor']}")
+    if int(d["original_max_position_embeddings"]) != d["original_max_position_embeddings"]:
+      raise ValueError("ModelConfig.rope_scaling original_max_position_embeddings must be an "
+                       f"int, got {d['original_max_position_embeddings']!r}")
+    d = {k: (int(v) if k == "original_max_position_embeddings" else float(v))
+         for k, v in d.items() if k != "rope_type"} | {"rope_type": kind}
+  return tuple(sorted(d.items()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,11 +69,16 @@ class ModelConfig:
   norm_eps: float = 1e-5
   position: str = "learned"  # 'learned' | 'rope'
   rope_theta: float = 10000.0
+  # RoPE frequency scaling: None, or a dict such as {'rope_type': 'llama3', 'factor': 8.0,
+  # 'low_freq_factor': 1.0, 'high_freq_factor': 4.0, 'original_max_position_embeddings':
+  # 8192}, kept as sorted (key, value) pairs so the config stays hashable.
+  rope_scaling: tuple[tuple[str, Any], ...] | None = None
   mlp: str = "gelu"  # 'gelu' (tanh approximation, GPT-2's gelu_new) | 'swiglu'
   qkv_bias: bool = True
   out_bias: bool = True
   mlp_bias: bool = True
   tie_embeddings: bool = True
+  qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_len"):
@@ -55,6 +100,11 @@ class ModelConfig:
           f"ModelConfig.n_heads={self.n_heads} must be a multiple of n_kv_heads={self.kv_heads}")
     if self.position == "rope" and self.dim_per_head % 2:
       raise ValueError(f"RoPE needs an even head_dim, got {self.dim_per_head}")
+    if self.rope_scaling is not None:
+      if self.position != "rope":
+        raise ValueError("ModelConfig.rope_scaling needs position='rope', "
+                         f"got position={self.position!r}")
+      object.__setattr__(self, "rope_scaling", _rope_scaling(self.rope_scaling))
 
   @property
   def kv_heads(self) -> int:
@@ -77,7 +127,10 @@ class ModelConfig:
     return cls(**base)
 
   def to_dict(self) -> dict[str, Any]:
-    return dataclasses.asdict(self)
+    d = dataclasses.asdict(self)
+    if self.rope_scaling is not None:
+      d["rope_scaling"] = dict(self.rope_scaling)
+    return d
 
   def to_json(self) -> str:
     return json.dumps(self.to_dict(), indent=2, sort_keys=True)

@@ -40,11 +40,15 @@ def _is_hf_dir(path: Path) -> bool:
     return False
 
 
-def _looks_like_hub_id(name: str) -> bool:
-  # 'gpt2' or 'org/name': no path syntax beyond one slash, nothing that exists locally.
+def looks_like_hub_id(name: str) -> bool:
+  """'gpt2' or 'org/name': no path syntax beyond one slash, nothing that exists locally.
+
+  The one rule for both `load_pretrained` and `specjax.hf.load_hf_model`.
+  """
   parts = name.split("/")
   return (len(parts) <= 2 and all(parts) and not name.startswith((".", "~"))
-          and all(c.isalnum() or c in "-_." for p in parts for c in p))
+          and all(c.isalnum() or c in "-_." for p in parts for c in p)
+          and not Path(name).exists())
 
 
 def load_pretrained(name_or_path: str | os.PathLike, dtype=jnp.float32) -> model_lib.Model:
@@ -68,7 +72,7 @@ def load_pretrained(name_or_path: str | os.PathLike, dtype=jnp.float32) -> model
                      "nor a Hugging Face model directory (config.json with model_type)")
   if path.exists():
     raise ValueError(f"{path} is a file; load_pretrained needs a model directory or a name")
-  if _looks_like_hub_id(name):
+  if looks_like_hub_id(name):
     from specjax import hf
     return hf.load_hf_model(name, dtype=dtype)
   raise ValueError(f"unknown model {name!r}: not a directory, not a hub id; "

@@ -10,13 +10,19 @@ import pytest
 
 from specjax import checkpoint
 from specjax.config import ModelConfig
-from specjax.model import init_model
+from specjax.model import abstract_params, init_model
 from specjax.tokenizer import Tokenizer
 
 CONFIGS = {
     "gpt2": ModelConfig(vocab_size=50, d_model=16, n_layers=2, n_heads=2, max_len=32),
     "llama": ModelConfig.llama(vocab_size=50, d_model=16, n_layers=2, n_heads=4,
                                n_kv_heads=2, max_len=32),
+    # Qwen3-style q/k norms with a head_dim of its own, and Llama 3.x RoPE scaling.
+    "qk_norm_llama3": ModelConfig.llama(
+        vocab_size=50, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=6,
+        max_len=32, qk_norm=True,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
 }
 
 
@@ -115,3 +121,46 @@ def test_params_that_do_not_fit_the_config(saved):
   (saved / "model.json").write_text(json.dumps(manifest))
   with pytest.raises(checkpoint.CheckpointError, match="does not match its config"):
     checkpoint.load_model(saved)
+
+
+def test_config_fields_are_hashable_and_json_round_trip():
+  cfg = CONFIGS["qk_norm_llama3"]
+  assert isinstance(cfg.rope_scaling, tuple) and hash(cfg) == hash(ModelConfig.from_dict(
+      json.loads(cfg.to_json())))
+  assert ModelConfig.from_dict(json.loads(cfg.to_json())) == cfg
+  assert json.loads(cfg.to_json())["rope_scaling"]["rope_type"] == "llama3"
+  # The same scaling given as pairs in another order (or ints for floats) is the same config.
+  pairs = tuple(reversed(cfg.rope_scaling))
+  assert ModelConfig(**{**cfg.to_dict(), "rope_scaling": pairs}) == cfg
+  # Manifests written before these fields existed still load, with the fields off.
+  old = {k: v for k, v in CONFIGS["llama"].to_dict().items()
+         if k not in ("rope_scaling", "qk_norm")}
+  assert ModelConfig.from_dict(old) == CONFIGS["llama"]
+  assert CONFIGS["llama"].rope_scaling is None and not CONFIGS["llama"].qk_norm
+
+
+@pytest.mark.parametrize("scaling, message", [
+    ({"rope_type": "yarn", "factor": 4.0}, "rope_type 'yarn'"),
+    ({"rope_type": "llama3", "factor": 8.0}, "missing.*low_freq_factor"),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
+      "original_max_position_embeddings": 16}, "high_freq_factor > low_freq_factor"),
+    ({"rope_type": "llama3", "factor": -1.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 16}, "factor must be a positive number"),
+])
+def test_bad_rope_scaling_is_refused(scaling, message):
+  with pytest.raises(ValueError, match=message):
+    ModelConfig.llama(vocab_size=8, d_model=8, n_layers=1, n_heads=2, max_len=8,
+                      rope_scaling=scaling)
+  with pytest.raises(ValueError, match="needs position='rope'"):
+    ModelConfig(vocab_size=8, d_model=8, n_layers=1, n_heads=2, max_len=8,
+                rope_scaling=CONFIGS["qk_norm_llama3"].rope_scaling)
+
+
+def test_abstract_params_describe_the_real_ones():
+  for cfg in CONFIGS.values():
+    params = init_model(cfg, seed=0).params
+    chex.assert_trees_all_equal_shapes_and_dtypes(abstract_params(cfg), params)
+  # q/k norms add exactly their two scales per layer: other trees are unchanged.
+  with_norms = abstract_params(CONFIGS["qk_norm_llama3"])["blocks"][0]["attn"]
+  assert with_norms["q_norm"]["scale"].shape == with_norms["k_norm"]["scale"].shape == (6,)
+  assert set(abstract_params(CONFIGS["llama"])["blocks"][0]["attn"]) == {"qkv", "out"}

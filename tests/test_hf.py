@@ -24,7 +24,7 @@ from safetensors.numpy import load_file, save_file  # noqa: E402
 import specjax  # noqa: E402
 from specjax import hf  # noqa: E402
 from specjax.config import ModelConfig  # noqa: E402
-from specjax.model import init_model  # noqa: E402
+from specjax.model import Model, graphdef_for, init_model, rope_frequencies  # noqa: E402
 from specjax.tokenizer import Tokenizer  # noqa: E402
 
 ATOL = 1e-4
@@ -32,7 +32,12 @@ ATOL = 1e-4
 # Each a family/feature the importer must get right: GPT-2 with a non-default MLP width
 # and epsilon; Llama with grouped-query attention, head_dim != hidden/heads and a
 # non-default RoPE base; Qwen2 with q/k/v biases, one KV head and a tied head; Llama with
-# attention and MLP biases; Mistral (no window within max_len; Llama's draft below).
+# attention and MLP biases; Mistral (no window within max_len; Llama's draft below);
+# Llama 3.x RoPE scaling (head_dim 16 at base 500 with an original context of 64 puts
+# frequencies in all three bands: kept, interpolated, divided by `factor`); Qwen3 with q/k
+# norms and head_dim != hidden/heads, tied, and untied with attention biases.
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 HF_CONFIGS = {
     "gpt2": lambda: transformers.GPT2Config(
         vocab_size=96, n_positions=40, n_embd=32, n_layer=2, n_head=4, n_inner=80,
@@ -53,6 +58,21 @@ HF_CONFIGS = {
     "mistral": lambda: transformers.MistralConfig(
         vocab_size=112, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=40,
+        bos_token_id=None, eos_token_id=None),
+    "llama3": lambda: transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        rope_parameters=dict(LLAMA3_ROPE), tie_word_embeddings=True, bos_token_id=None,
+        eos_token_id=None),
+    "qwen3": lambda: transformers.Qwen3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=12, max_position_embeddings=40,
+        tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+        bos_token_id=None, eos_token_id=None),
+    "qwen3_untied": lambda: transformers.Qwen3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=40, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=24, max_position_embeddings=40,
+        tie_word_embeddings=False, attention_bias=True, rms_norm_eps=1e-5,
         bos_token_id=None, eos_token_id=None),
 }
 
@@ -105,10 +125,65 @@ def test_config_mapping(checkpoints):
   assert qwen2.qkv_bias and not qwen2.out_bias and qwen2.tie_embeddings
   gpt2 = hf.load_hf_model(checkpoints["gpt2"][0]).config
   assert (gpt2.max_len, gpt2.ff_dim, gpt2.norm_eps) == (40, 80, 1e-4)
+  assert gpt2.rope_scaling is None and not gpt2.qk_norm and not llama.qk_norm
+  llama3 = hf.load_hf_model(checkpoints["llama3"][0]).config
+  assert dict(llama3.rope_scaling) == {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}
+  assert (llama3.rope_theta, llama3.max_len, llama3.head_dim) == (500.0, 256, 16)
+  qwen3 = hf.load_hf_model(checkpoints["qwen3"][0]).config
+  assert qwen3.qk_norm and qwen3.head_dim == 12 and qwen3.tie_embeddings
+  assert not (qwen3.qkv_bias or qwen3.out_bias or qwen3.mlp_bias)
+  untied = hf.load_hf_model(checkpoints["qwen3_untied"][0]).config
+  assert untied.qk_norm and untied.head_dim == 24 and not untied.tie_embeddings
+  assert untied.qkv_bias and untied.out_bias and not untied.mlp_bias
+
+
+def _v4_style(config: dict) -> dict:
+  """A transformers-5 config.json rewritten as 4.x wrote it: rope_theta + rope_scaling."""
+  config = dict(config)
+  rope = dict(config.pop("rope_parameters"))
+  config["rope_theta"] = rope.pop("rope_theta")
+  config["rope_scaling"] = {"type": rope.pop("rope_type"), **rope}  # 4.x's older key name
+  return config
+
+
+def test_llama3_rope_reads_from_both_config_styles(checkpoints):
+  v5 = json.loads((checkpoints["llama3"][0] / "config.json").read_text())
+  assert v5["rope_parameters"]["rope_type"] == "llama3" and "rope_scaling" not in v5
+  assert hf.config_from_hf(_v4_style(v5)) == hf.config_from_hf(v5)
+  # 4.x configs may leave original_max_position_embeddings out: it is then the context.
+  v4 = _v4_style(v5)
+  del v4["rope_scaling"]["original_max_position_embeddings"]
+  scaling = dict(hf.config_from_hf(v4).rope_scaling)
+  assert scaling["original_max_position_embeddings"] == v5["max_position_embeddings"]
+
+
+@pytest.mark.parametrize("head_dim, theta, original, factors", [
+    (16, 500.0, 64, (8.0, 1.0, 4.0)),  # the test checkpoint's: every band is used
+    (128, 500000.0, 8192, (8.0, 1.0, 4.0)),  # Llama 3.1 8B
+    (64, 500000.0, 8192, (32.0, 1.0, 4.0)),  # Llama 3.2 1B
+])
+def test_llama3_rope_frequencies_equal_transformers(head_dim, theta, original, factors):
+  from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+  factor, low, high = factors
+  rope = {"rope_type": "llama3", "rope_theta": theta, "factor": factor, "low_freq_factor": low,
+          "high_freq_factor": high, "original_max_position_embeddings": original}
+  ref_config = transformers.LlamaConfig(
+      vocab_size=16, hidden_size=2 * head_dim, num_attention_heads=2, head_dim=head_dim,
+      num_hidden_layers=1, intermediate_size=8, max_position_embeddings=16 * original,
+      rope_parameters=rope)
+  theirs, attention_scale = ROPE_INIT_FUNCTIONS["llama3"](ref_config, "cpu")
+  assert attention_scale == 1.0
+  cfg = hf.config_from_hf(ref_config.to_dict())
+  ours = rope_frequencies(cfg)
+  assert ours.shape == (head_dim // 2,) and ours.dtype == np.float32
+  np.testing.assert_allclose(ours, theirs.numpy(), rtol=1e-6, atol=0)
+  # And the scaling is not a no-op here: plain RoPE's frequencies differ.
+  plain = rope_frequencies(ModelConfig(**{**cfg.to_dict(), "rope_scaling": None}))
+  np.testing.assert_allclose((plain / ours).max(), factor, rtol=1e-5)  # the low band
 
 
 # Llama's greedy output is checked through the speculative test below (same output).
-@pytest.mark.parametrize("name", ["gpt2", "qwen2"])
+@pytest.mark.parametrize("name", ["gpt2", "qwen2", "llama3", "qwen3", "qwen3_untied"])
 def test_greedy_generation_matches_transformers(checkpoints, name):
   directory, ref = checkpoints[name]
   model = hf.load_hf_model(directory)
@@ -170,21 +245,32 @@ def _perturbed_init(cfg, seed):
       lambda x: x + 0.1 * rng.standard_normal(x.shape).astype(np.float32), model.params))
 
 
-EXPORT_CONFIGS = {
-    "GPT2LMHeadModel": ModelConfig(vocab_size=72, d_model=32, n_layers=2, n_heads=4,
-                                   max_len=24, d_ff=48, norm_eps=1e-5),
-    "LlamaForCausalLM": ModelConfig.llama(vocab_size=72, d_model=32, n_layers=2, n_heads=4,
-                                          n_kv_heads=2, head_dim=12, d_ff=40, max_len=24,
-                                          rope_theta=2000.0),
-    "Qwen2ForCausalLM": ModelConfig.llama(vocab_size=72, d_model=32, n_layers=2, n_heads=4,
-                                          n_kv_heads=2, max_len=24, qkv_bias=True,
-                                          tie_embeddings=True),
+EXPORT_CONFIGS = {  # name: (the transformers class it must become, config)
+    "gpt2": ("GPT2LMHeadModel", ModelConfig(vocab_size=72, d_model=32, n_layers=2, n_heads=4,
+                                            max_len=24, d_ff=48, norm_eps=1e-5)),
+    "llama": ("LlamaForCausalLM", ModelConfig.llama(
+        vocab_size=72, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=12, d_ff=40,
+        max_len=24, rope_theta=2000.0)),
+    "qwen2": ("Qwen2ForCausalLM", ModelConfig.llama(
+        vocab_size=72, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_len=24,
+        qkv_bias=True, tie_embeddings=True)),
+    "llama3": ("LlamaForCausalLM", ModelConfig.llama(
+        vocab_size=72, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=40,
+        max_len=24, rope_theta=500.0, tie_embeddings=True,
+        rope_scaling={k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"})),
+    "qwen3": ("Qwen3ForCausalLM", ModelConfig.llama(
+        vocab_size=72, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=12, d_ff=40,
+        max_len=24, qk_norm=True, tie_embeddings=True)),
+    "qwen3_biases": ("Qwen3ForCausalLM", ModelConfig.llama(
+        vocab_size=72, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=20, d_ff=40,
+        max_len=24, qk_norm=True, qkv_bias=True, out_bias=True)),
 }
 
 
-@pytest.mark.parametrize("arch", list(EXPORT_CONFIGS))
-def test_export_loads_in_transformers_with_same_logits(tmp_path, arch):
-  model = _perturbed_init(EXPORT_CONFIGS[arch], seed=1)
+@pytest.mark.parametrize("name", list(EXPORT_CONFIGS))
+def test_export_loads_in_transformers_with_same_logits(tmp_path, name):
+  arch, cfg = EXPORT_CONFIGS[name]
+  model = _perturbed_init(cfg, seed=1)
   hf.export_hf(model, tmp_path)
   ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
   assert type(ref).__name__ == arch
@@ -197,9 +283,47 @@ def test_export_loads_in_transformers_with_same_logits(tmp_path, arch):
   chex.assert_trees_all_equal(again.params, model.params)
 
 
+@pytest.mark.parametrize("name", ["llama3", "qwen3", "qwen3_untied"])
+def test_import_then_export_gives_back_the_checkpoint(checkpoints, name):
+  """transformers' own files -> specjax -> export: the same tensors, bit for bit."""
+  directory, _ = checkpoints[name]
+  model = hf.load_hf_model(directory)
+  original = load_file(directory / "model.safetensors")
+  exported = hf.params_to_hf(model.config, model.params)
+  if model.config.tie_embeddings:  # a stored copy of a tied head is not ours to write
+    original.pop("lm_head.weight", None)
+  assert sorted(exported) == sorted(original)
+  chex.assert_trees_all_equal(exported, original)
+  assert hf.config_from_hf(hf.config_to_hf(model.config)) == model.config
+
+
+def test_llama3_scaling_changes_the_logits(checkpoints):
+  """The logits check above would catch ignored scaling: it moves them well past ATOL."""
+  model = hf.load_hf_model(checkpoints["llama3"][0])
+  plain_cfg = ModelConfig(**{**model.config.to_dict(), "rope_scaling": None})
+  plain = Model(plain_cfg, graphdef_for(plain_cfg), model.params)
+  tokens = _tokens(64, (1, 13))
+  moved = np.abs(np.asarray(model.logits(tokens)) - np.asarray(plain.logits(tokens))).max()
+  assert moved > 100 * ATOL
+
+
+def test_pad_vocab_keeps_the_logits_and_adds_zero_rows():
+  for tie in (True, False):
+    model = _perturbed_init(ModelConfig.llama(vocab_size=40, d_model=16, n_layers=1, n_heads=2,
+                                              max_len=16, tie_embeddings=tie), seed=3)
+    padded = hf.pad_vocab(model, 48)
+    assert padded.config.vocab_size == 48 and padded.config.tie_embeddings == tie
+    tokens = _tokens(40, (1, 7))
+    ours, theirs = np.asarray(padded.logits(tokens)), np.asarray(model.logits(tokens))
+    np.testing.assert_allclose(ours[..., :40], theirs, atol=1e-6, rtol=0)
+    np.testing.assert_array_equal(ours[..., 40:], 0.0)
+  with pytest.raises(ValueError, match="vocab_size must be"):
+    hf.pad_vocab(model, 39)
+
+
 def test_export_writes_tokenizer_and_import_attaches_it(tmp_path):
   tokenizer = Tokenizer.train(["the cat sat on the mat. " * 20, "a dog ran."], vocab_size=270)
-  cfg = EXPORT_CONFIGS["GPT2LMHeadModel"]
+  cfg = EXPORT_CONFIGS["gpt2"][1]
   cfg = ModelConfig(**{**cfg.to_dict(), "vocab_size": tokenizer.vocab_size})
   model = init_model(cfg, 0)
   model.tokenizer = tokenizer
@@ -255,8 +379,15 @@ def test_weights_the_config_does_not_explain_are_refused(checkpoints, tmp_path):
 @pytest.mark.parametrize("name, changes, message", [
     ("gpt2", {"model_type": "gpt_neox"}, "unsupported Hugging Face model_type 'gpt_neox'"),
     ("gpt2", {"activation_function": "gelu"}, "activation_function 'gelu'"),
-    ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
-     "RoPE scaling 'llama3'"),
+    ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0}},
+     "RoPE scaling 'yarn'"),
+    ("llama", {"rope_scaling": {"type": "linear", "factor": 2.0}}, "RoPE scaling 'linear'"),
+    ("llama3", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}},
+     "RoPE scaling 'dynamic'"),
+    ("llama3", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
+     r"'llama3' needs \['low_freq_factor', 'high_freq_factor'\]"),
+    ("llama3", {"rope_parameters": {**LLAMA3_ROPE, "beta_fast": 32}}, "beta_fast"),
+    ("qwen3", {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
     ("llama", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
 ])
 def test_unsupported_architectures_are_refused(checkpoints, tmp_path, name, changes, message):
@@ -276,6 +407,10 @@ def test_export_refuses_configs_transformers_cannot_run(tmp_path):
   cfg = ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, max_len=8,
                     position="rope")  # GPT-2 with RoPE exists nowhere in transformers
   with pytest.raises(ValueError, match="position='rope'"):
+    hf.export_hf(init_model(cfg), tmp_path / "out")
+  cfg = ModelConfig.llama(vocab_size=32, d_model=16, n_layers=1, n_heads=2, max_len=8,
+                          qk_norm=True, mlp_bias=True)  # Qwen3 has no MLP biases
+  with pytest.raises(ValueError, match="qk_norm=True.*mlp_bias=True"):
     hf.export_hf(init_model(cfg), tmp_path / "out")
   assert not (tmp_path / "out").exists()
 

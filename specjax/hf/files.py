@@ -1,0 +1,211 @@
+"""Hugging Face model directories: reading weights, tokenizer and config; writing them.
+
+A model is a local directory (config.json, safetensors weights whole or sharded, or
+pytorch_model.bin; tokenizer.json) or a hub id fetched with huggingface_hub.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.hf.config import config_from_hf, config_to_hf, export_type
+from specjax.hf.weights import float_dtype, params_from_hf, params_to_hf
+from specjax.model import Model, graphdef_for
+from specjax.pretrained import looks_like_hub_id
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+
+
+class CheckpointTensors:
+  """Names and shapes of a checkpoint's tensors up front; the arrays on demand."""
+
+  def __init__(self, directory: Path):
+    self._file_of: dict[str, Path] = {}
+    self._shapes: dict[str, tuple[int, ...]] = {}
+    self._torch_state = None
+    if (directory / "model.safetensors").is_file():
+      self._read_safetensors([directory / "model.safetensors"])
+    elif (directory / "model.safetensors.index.json").is_file():
+      self._read_safetensors(self._shards(directory / "model.safetensors.index.json"))
+    elif (directory / "pytorch_model.bin").is_file():
+      self._read_torch([directory / "pytorch_model.bin"])
+    elif (directory / "pytorch_model.bin.index.json").is_file():
+      self._read_torch(self._shards(directory / "pytorch_model.bin.index.json"))
+    else:
+      raise ValueError(f"no weights in {directory}: expected one of {', '.join(WEIGHT_FILES)}")
+
+  @staticmethod
+  def _shards(index_path: Path) -> list[Path]:
+    weight_map = json.loads(index_path.read_text()).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+      raise ValueError(f"{index_path} has no 'weight_map'")
+    shards = sorted({index_path.parent / name for name in weight_map.values()})
+    missing = [str(s) for s in shards if not s.is_file()]
+    if missing:
+      raise ValueError(f"{index_path} names shard files that are missing: {missing}")
+    return shards
+
+  def _read_safetensors(self, files: list[Path]):
+    try:
+      from safetensors import safe_open
+    except ImportError as e:
+      raise ValueError("reading Hugging Face weights needs safetensors "
+                       "(pip install 'specjax[hf]')") from e
+    for path in files:
+      with safe_open(str(path), framework="numpy") as f:
+        for name in f.keys():
+          self._file_of[name] = path
+          self._shapes[name] = tuple(f.get_slice(name).get_shape())
+
+  def _read_torch(self, files: list[Path]):
+    try:
+      import torch
+    except ImportError as e:
+      raise ValueError("this checkpoint has only pytorch_model.bin weights, which need torch "
+                       "(pip install 'specjax[hf]'); safetensors weights do not") from e
+    self._torch_state = {}
+    for path in files:
+      self._torch_state.update(torch.load(str(path), map_location="cpu", weights_only=True,
+                                          mmap=True))
+    self._shapes = {k: tuple(t.shape) for k, t in self._torch_state.items()}
+
+  def names(self) -> list[str]:
+    return list(self._shapes)
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    return self._shapes[name]
+
+  def load(self, name: str) -> np.ndarray:
+    if self._torch_state is not None:
+      import torch
+      tensor = self._torch_state[name]
+      if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16 of its own
+        tensor = tensor.float()
+      return tensor.numpy()
+    from safetensors import safe_open
+    with safe_open(str(self._file_of[name]), framework="numpy") as f:
+      return f.get_tensor(name)
+
+
+def resolve(path_or_id: str | os.PathLike) -> Path:
+  """A local directory as is; a hub id (`looks_like_hub_id`) fetched with huggingface_hub."""
+  if not isinstance(path_or_id, (str, os.PathLike)) or not str(path_or_id):
+    raise ValueError(f"expected a model directory or a hub id, got {path_or_id!r}")
+  path = Path(path_or_id).expanduser()
+  if path.is_dir():
+    return path
+  text = os.fspath(path_or_id)
+  if not looks_like_hub_id(text):
+    raise ValueError(f"{text!r} is not a model directory (and does not look like a hub id)")
+  try:
+    from huggingface_hub import snapshot_download
+  except ImportError as e:
+    raise ValueError(f"{text!r} is not a local directory, and downloading it needs "
+                     "huggingface_hub (pip install 'specjax[hf]')") from e
+  files = ["config.json", "generation_config.json", "tokenizer.json"]
+  try:
+    local = Path(snapshot_download(text, allow_patterns=files + ["*.safetensors",
+                                                                  "*.safetensors.index.json"]))
+    if not any((local / name).is_file() for name in WEIGHT_FILES[:2]):
+      # Older repositories have only torch pickles.
+      local = Path(snapshot_download(text, allow_patterns=files + ["pytorch_model*.bin*"]))
+  except Exception as e:  # network, offline mode, missing repo: all end up here
+    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False")
+    hint = ("HF_HUB_OFFLINE is set and the model is not in the local cache"
+            if offline else "no network, or no such repository on the Hub")
+    raise ValueError(f"could not fetch {text!r} from the Hugging Face Hub ({hint}): "
+                     f"{type(e).__name__}: {e}. Pass a local model directory instead.") from e
+  return local
+
+
+def load_tokenizer(directory: Path, hf_config: dict):
+  """The directory's tokenizer.json as a specjax Tokenizer, ending text where config.json says."""
+  path = directory / "tokenizer.json"
+  if not path.is_file():
+    return None
+  import tokenizers
+  from specjax.tokenizer import Tokenizer
+  try:
+    raw = tokenizers.Tokenizer.from_file(str(path))
+  except Exception as e:  # the Rust side raises a bare Exception
+    raise ValueError(f"cannot read tokenizer file {path}: {e}") from e
+  eos = hf_config.get("eos_token_id")
+  if isinstance(eos, list):
+    eos = eos[0] if eos else None
+  # config.json names the end-of-text token; the tokenizer file alone can only guess it.
+  eos_token = raw.id_to_token(eos) if isinstance(eos, int) else None
+  return Tokenizer(raw, eos_token=eos_token)
+
+
+def load_hf_model(path_or_id: str | os.PathLike, dtype=jnp.float32) -> Model:
+  """A Hugging Face GPT-2 / Llama / Mistral / Qwen2 / Qwen3 checkpoint as a specjax `Model`.
+
+  Args:
+    path_or_id: a local directory holding config.json and safetensors weights
+      (model.safetensors or a sharded index; pytorch_model.bin with torch installed),
+      or a hub id such as 'distilgpt2' or 'Qwen/Qwen3-0.6B', downloaded (or taken from
+      the local cache) with huggingface_hub.
+    dtype: parameter dtype (float32, bfloat16, float16).
+
+  The tokenizer (tokenizer.json) is attached as `model.tokenizer` when present.
+  Raises ValueError for unsupported architectures or features and for missing,
+  unexpected or mis-shaped tensors, naming them.
+  """
+  dt = float_dtype(dtype)
+  directory = resolve(path_or_id)
+  config_path = directory / "config.json"
+  if not config_path.is_file():
+    raise ValueError(f"{directory} has no config.json")
+  hf_config = json.loads(config_path.read_text())
+  cfg = config_from_hf(hf_config)
+  tensors = CheckpointTensors(directory)
+  params = params_from_hf(cfg, hf_config["model_type"], tensors, dt, where=str(directory))
+  return Model(cfg, graphdef_for(cfg), params, load_tokenizer(directory, hf_config))
+
+
+def _tokenizer_saver(tokenizer):
+  """A function writing `tokenizer` as tokenizer.json, or None if it is not that kind."""
+  import tokenizers
+  from specjax.tokenizer import Tokenizer
+  if isinstance(tokenizer, (Tokenizer, tokenizers.Tokenizer)):
+    return lambda path: tokenizer.save(str(path))
+  return None
+
+
+def export_hf(model: Model, out_dir: str | os.PathLike) -> Path:
+  """Writes `model` as a Hugging Face directory transformers loads with AutoModelForCausalLM.
+
+  GPT-2-style configs become GPT2LMHeadModel, Llama-style ones LlamaForCausalLM (or
+  Qwen2ForCausalLM for q/k/v biases without an output bias, Qwen3ForCausalLM for q/k
+  norms). Writes config.json, model.safetensors and, when the model has a tokenizer,
+  tokenizer.json. Returns the directory. Raises ValueError for configs no transformers
+  architecture computes.
+  """
+  if not isinstance(model, Model):
+    raise ValueError(f"export_hf expects a specjax Model, got {type(model).__name__}")
+  cfg = model.config
+  export_type(cfg)  # refuse before writing anything
+  save_tokenizer = None if model.tokenizer is None else _tokenizer_saver(model.tokenizer)
+  eos_id = getattr(model.tokenizer, "eos_id", None)
+  if eos_id is not None and not 0 <= eos_id < cfg.vocab_size:
+    eos_id = None
+  hf_config = config_to_hf(cfg, bos_id=eos_id, eos_id=eos_id)
+  tensors = params_to_hf(cfg, model.params)
+  dtypes = {str(a.dtype) for a in tensors.values()}
+  hf_config["torch_dtype"] = dtypes.pop() if len(dtypes) == 1 else "float32"
+
+  from safetensors.numpy import save_file
+  out = Path(out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+  # transformers refuses safetensors files without format metadata.
+  save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+  if save_tokenizer is not None:
+    save_tokenizer(out / "tokenizer.json")
+  return out
