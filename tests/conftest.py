@@ -8,9 +8,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 
 import contextlib  # noqa: E402
+import itertools  # noqa: E402
 
 import chex  # noqa: E402
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import specjax  # noqa: E402
@@ -37,11 +40,52 @@ def tiny_model(vocab=8, d_model=32, n_layers=1, n_heads=2, max_len=64, seed=0, s
   return model.with_params(params)
 
 
-@pytest.fixture(scope="session")
-def pair():
-  """A (target, draft) pair over 8 tokens that disagree often."""
-  return tiny_model(vocab=8, n_layers=2, seed=0, sharpness=4.0), \
-      tiny_model(vocab=8, d_model=16, seed=1, sharpness=4.0)
+def greedy_oracle(model, prompt, steps):
+  """Repeated argmax of the uncached full forward.
+
+  The sequence is zero-padded to a fixed width (causal attention never looks right), so
+  one compiled forward serves every step.
+  """
+  seq = list(prompt)
+  width = len(prompt) + steps
+  for _ in range(steps):
+    padded = jnp.array([seq + [0] * (width - len(seq))])
+    seq.append(int(jnp.argmax(model.logits(padded)[0, len(seq) - 1])))
+  return seq[len(prompt):]
+
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 0, 1, 2, 3, 4], [7]]
+
+
+def target_and_draft():
+  return (tiny_model(vocab=8, n_layers=2, seed=0),
+          tiny_model(vocab=8, d_model=16, n_layers=1, seed=1))
+
+
+def exact_continuations(model, prompt, length):
+  """P(x_1..x_L | prompt) for every continuation, by teacher forcing (float64)."""
+  vocab = model.config.vocab_size
+  conts = np.array(list(itertools.product(range(vocab), repeat=length)), np.int32)
+  seqs = np.concatenate([np.tile(prompt, (len(conts), 1)), conts], axis=1)
+  logp = np.asarray(jax.nn.log_softmax(model.logits(jnp.asarray(seqs)).astype(jnp.float32)),
+                    np.float64)
+  start = len(prompt) - 1
+  steps = [logp[np.arange(len(conts)), start + i, conts[:, i]] for i in range(length)]
+  return conts, np.exp(np.sum(steps, axis=0))
+
+
+def tempered(model, temperature):
+  """The same model with logits divided by the temperature (the final norm's scale)."""
+
+  class Tempered:
+    config = model.config
+
+    def logits(self, tokens):
+      return model.logits(tokens) / temperature
+
+  return Tempered()
+
+
 
 
 @contextlib.contextmanager

@@ -5,24 +5,7 @@ import numpy as np
 from absl.testing import parameterized
 
 import specjax
-from conftest import decode_traces, tiny_model
-
-
-def greedy_oracle(model, prompt, steps):
-  """Repeated argmax of the uncached full forward.
-
-  The sequence is zero-padded to a fixed width (causal attention never looks right), so
-  one compiled forward serves every step.
-  """
-  seq = list(prompt)
-  width = len(prompt) + steps
-  for _ in range(steps):
-    padded = jnp.array([seq + [0] * (width - len(seq))])
-    seq.append(int(jnp.argmax(model.logits(padded)[0, len(seq) - 1])))
-  return seq[len(prompt):]
-
-
-PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 0, 1, 2, 3, 4], [7]]
+from conftest import PROMPTS, decode_traces, greedy_oracle, tiny_model
 
 
 class AutoregressiveTest(parameterized.TestCase):

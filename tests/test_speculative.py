@@ -11,25 +11,8 @@ import specjax
 from specjax import decode as decode_lib
 from specjax import drafters
 from specjax.generation import prepare
-from conftest import decode_traces, tiny_model
-from test_generate import PROMPTS, greedy_oracle
-
-
-def target_and_draft():
-  return (tiny_model(vocab=8, n_layers=2, seed=0),
-          tiny_model(vocab=8, d_model=16, n_layers=1, seed=1))
-
-
-def exact_continuations(model, prompt, length):
-  """P(x_1..x_L | prompt) for every continuation, by teacher forcing (float64)."""
-  vocab = model.config.vocab_size
-  conts = np.array(list(itertools.product(range(vocab), repeat=length)), np.int32)
-  seqs = np.concatenate([np.tile(prompt, (len(conts), 1)), conts], axis=1)
-  logp = np.asarray(jax.nn.log_softmax(model.logits(jnp.asarray(seqs)).astype(jnp.float32)),
-                    np.float64)
-  start = len(prompt) - 1
-  steps = [logp[np.arange(len(conts)), start + i, conts[:, i]] for i in range(length)]
-  return conts, np.exp(np.sum(steps, axis=0))
+from conftest import (PROMPTS, decode_traces, exact_continuations, greedy_oracle, target_and_draft,
+                      tempered, tiny_model)
 
 
 class DistributionTest(parameterized.TestCase):
@@ -42,7 +25,7 @@ class DistributionTest(parameterized.TestCase):
   def test_three_token_law(self, spec, temperature):
     target, draft = target_and_draft()
     prompt, length, rows = [3, 1, 3], 3, 20000
-    law_of = target if temperature == 1.0 else _tempered(target, temperature)
+    law_of = target if temperature == 1.0 else tempered(target, temperature)
     conts, probs = exact_continuations(law_of, prompt, length)
     res = specjax.generate(target, [prompt] * rows, max_new_tokens=length,
                            temperature=temperature, seed=11,
@@ -56,18 +39,6 @@ class DistributionTest(parameterized.TestCase):
     self.assertTrue(np.all(np.abs(counts - rows * probs) <= 5 * sd + 1), f"worst z={worst}")
     self.assertLess(res.stats["acceptance_rate"], 0.95)  # the draft really disagreed
     self.assertGreater(res.stats["rounds"], rows)  # and rounds were rolled back
-
-
-def _tempered(model, temperature):
-  """The same model with logits divided by the temperature (the final norm's scale)."""
-
-  class Tempered:
-    config = model.config
-
-    def logits(self, tokens):
-      return model.logits(tokens) / temperature
-
-  return Tempered()
 
 
 class GreedyTest(parameterized.TestCase):
