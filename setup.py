@@ -17,6 +17,7 @@ setup(
         "chex>=0.1.88",
         "ml-collections>=0.1.1",
         "tokenizers>=0.20",
+        "interegular>=0.3.3",
         "matplotlib>=3.8",
         "tqdm>=4.66",
     ],

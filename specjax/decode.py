@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from specjax import kv_cache
 from specjax import model as model_lib
+from specjax import processors
 from specjax.config import ModelConfig
 from specjax.sampling import Sampling
 from specjax.verify import ExactRule
@@ -84,6 +85,7 @@ class DecodeState:
   key: jax.Array
   target_calls: jax.Array  # int32: batched target passes in the loop
   stats: Stats
+  history: Any = None  # processors.History of the committed prefix (None: no processors)
 
 
 # ----------------------------------------------------------------------------
@@ -165,6 +167,13 @@ def _target_pass(engine: Engine, params, tokens, kv, empty=False):
   return logits, kv, None
 
 
+def _per_prefix(sampling: Sampling, history, tokens):
+  """Processor histories of history + tokens[:, :i] for every i, [B, T+1, ...]; or None."""
+  if history is None:
+    return None
+  return processors.prefix_histories(sampling.pcfg, sampling.procs, history, tokens)
+
+
 def decode_round(engine: Engine, weights: Weights, state: DecodeState,
                  sampling: Sampling) -> DecodeState:
   """One draft + verify round for every row: a pure function of its inputs."""
@@ -173,12 +182,18 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
 
   # 1. Draft.
   ys, qs, draft_state = drafter.propose(weights.draft, state.draft_state, state.tokens,
-                                        state.n, draft_key, sampling)
+                                        state.n, draft_key,
+                                        sampling.replace(history=state.history))
   # 2. Verify pass: the pending token and the γ drafts, one target call.
   pending = jnp.take_along_axis(state.tokens, (state.n - 1)[:, None], axis=1)
   logits, target_kv, features = _target_pass(
       engine, weights.target, jnp.concatenate([pending, ys], axis=1), state.target_kv)
-  ps = sampling.process(logits)
+  # Position i is processed with the history of the committed prefix + y_1..y_{i-1}.
+  prefixes = _per_prefix(sampling, state.history, ys)
+  if prefixes is None:
+    ps = sampling.process(logits)
+  else:
+    ps = jax.vmap(sampling.process, in_axes=(1, 1), out_axes=1)(logits, prefixes)
   # 3. Verify rule, one row at a time.
   row_keys = jax.vmap(jax.random.fold_in, (None, 0))(verify_key, jnp.arange(ys.shape[0]))
   n_accepted, next_token, overlap = engine.rule(row_keys, ys, qs, ps)
@@ -190,11 +205,17 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
                    state.tokens.shape[1], new.shape[1])
   hits = stop_hits(state.tokens, state.n, state.prompt_len, new, sampling.stop_seqs,
                    sampling.stop_lens)
+  after = _per_prefix(sampling, state.history, new)  # [B, γ+2]: after 0..γ+1 of `new`
+  if sampling.pcfg.constraint:  # a finished constrained text stops like a stop sequence
+    hits |= processors.terminal(sampling.procs, after.fsm[:, 1:])
   count, stop = commit_count(n_accepted, room, hits, state.done)
   tokens = kv_cache.write(state.tokens, new, state.n, count)
   n = state.n + count
-  # 5. Rollback both caches to the committed history.
+  # 5. Rollback both caches (and the processors' history) to the committed history.
+  rows = jnp.arange(count.shape[0])
+  history = None if after is None else jax.tree_util.tree_map(lambda x: x[rows, count], after)
   return state.replace(
+      history=history,
       tokens=tokens, n=n, done=state.done | stop,
       target_kv=target_kv.rollback(n - 1),
       draft_state=drafter.rollback(draft_state, n, features, state.n - 1),
@@ -203,7 +224,7 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
 
 
 def prefill(engine: Engine, weights: Weights, tokens, prompt_len, prompt_width, cache_size,
-            key) -> DecodeState:
+            key, sampling: Sampling) -> DecodeState:
   """Builds both caches from the prompts; the last prompt token stays pending."""
   batch = tokens.shape[0]
   head = tokens[:, :prompt_width]
@@ -215,7 +236,10 @@ def prefill(engine: Engine, weights: Weights, tokens, prompt_len, prompt_width, 
       tokens=tokens, n=prompt_len, prompt_len=prompt_len,
       done=jnp.zeros((batch,), bool), target_kv=target_kv.rollback(prompt_len - 1),
       draft_state=draft_state, key=key, target_calls=jnp.zeros((), jnp.int32),
-      stats=Stats.zeros(batch, engine.gamma))
+      stats=Stats.zeros(batch, engine.gamma),
+      history=processors.init_history(sampling.pcfg, sampling.procs, tokens, prompt_len,
+                                      prompt_len, engine.target.vocab_size)
+      if sampling.has_processors else None)
 
 
 def run_loop(engine: Engine, weights: Weights, state: DecodeState, sampling: Sampling):
@@ -228,5 +252,5 @@ def run_loop(engine: Engine, weights: Weights, state: DecodeState, sampling: Sam
 def decode(engine: Engine, prompt_width: int, cache_size: int, weights: Weights, tokens,
            prompt_len, sampling: Sampling, key) -> DecodeState:
   """Prefill + every round, compiled once per (engine, shapes)."""
-  state = prefill(engine, weights, tokens, prompt_len, prompt_width, cache_size, key)
+  state = prefill(engine, weights, tokens, prompt_len, prompt_width, cache_size, key, sampling)
   return run_loop(engine, weights, state, sampling)

@@ -77,7 +77,9 @@ class ModelDrafter:
     _, kv = model_lib.forward_cached(self.graphdef, params, tokens, kv, empty=True)
     return kv.rollback(n - 1)
 
-  def _draw(self, key, logits, sampling):
+  def _draw(self, key, logits, sampling, history):
+    logits = sampling.adjust(logits, history)  # penalties etc. for this prefix
+
     def argmax():
       y = jnp.argmax(logits, axis=-1).astype(jnp.int32)
       return y, jax.nn.one_hot(y, logits.shape[-1], dtype=jnp.float32)
@@ -103,15 +105,17 @@ class ModelDrafter:
     logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
     kv = kv.rollback(n)
 
+    # The processors' history follows the draft's own proposals, y_1..y_{i-1} at step i.
     def step(carry, step_key):
-      logits, kv = carry
-      y, q = self._draw(step_key, logits, sampling)
+      logits, kv, history = carry
+      y, q = self._draw(step_key, logits, sampling, history)
       logits, kv = model_lib.forward_cached(self.graphdef, params, y[:, None], kv)
-      return (logits[:, 0], kv), (y, q)
+      return (logits[:, 0], kv, sampling.advance(history, y)), (y, q)
 
     keys = jax.random.split(key, self.gamma)
-    (logits, kv), (ys, qs) = jax.lax.scan(step, (logits, kv), keys[:-1])
-    y_last, q_last = self._draw(keys[-1], logits, sampling)
+    (logits, kv, history), (ys, qs) = jax.lax.scan(step, (logits, kv, sampling.history),
+                                                   keys[:-1])
+    y_last, q_last = self._draw(keys[-1], logits, sampling, history)
     ys = jnp.concatenate([ys, y_last[None]], axis=0).swapaxes(0, 1)  # [B, γ]
     qs = jnp.concatenate([qs, q_last[None]], axis=0).swapaxes(0, 1)  # [B, γ, V]
     return ys, qs, kv

@@ -10,8 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import checks
+from specjax import constraints as constraints_lib
 from specjax import decode as decode_lib
+from specjax import processors
 from specjax import drafters as drafters_lib
+from specjax import rules as rules_lib
 from specjax.model import Model
 from specjax.sampling import Sampling
 
@@ -32,7 +36,7 @@ class Prepared:
 
   def prefill(self, key) -> decode_lib.DecodeState:
     return decode_lib.prefill(self.engine, self.weights, self.tokens, self.prompt_len,
-                              self.prompt_width, self.cache_size, key)
+                              self.prompt_width, self.cache_size, key, self.sampling)
 
   def run(self, key) -> decode_lib.DecodeState:
     return decode_lib.decode(self.engine, self.prompt_width, self.cache_size, self.weights,
@@ -44,49 +48,6 @@ class GenerateResult:
   tokens: list[list[int]]  # the new tokens of each prompt
   stats: dict[str, Any]
   texts: list[str] | None = None  # decoded new tokens, when the target has a tokenizer
-
-
-def _round_up(x: int, multiple: int) -> int:
-  return -(-x // multiple) * multiple
-
-
-def _is_int(x) -> bool:
-  return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-
-
-def _int_at_least(name, value, low) -> int:
-  if not _is_int(value) or value < low:
-    raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-  return int(value)
-
-
-def _token_ids(name, ids, vocab) -> list[int]:
-  """A flat sequence of ints in [0, vocab); bools, floats and nesting are refused."""
-  if isinstance(ids, (str, bytes)) or not isinstance(ids, (Sequence, np.ndarray)):
-    raise ValueError(f"{name} must be a list of token ids, got {ids!r}")
-  ids = list(ids)
-  bad = [t for t in ids if not _is_int(t)]
-  if bad:
-    raise ValueError(f"{name} must hold integer token ids, got {bad[:5]}")
-  out_of_range = [int(t) for t in ids if not 0 <= t < vocab]
-  if out_of_range:
-    raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab}): "
-                     f"{out_of_range[:5]}")
-  return [int(t) for t in ids]
-
-
-def _per_row(name, value, batch, kind):
-  """A scalar or one value per prompt, as a [batch] array; bools are refused."""
-  arr = np.asarray(value)
-  if arr.dtype.kind not in kind:
-    raise ValueError(f"{name} must be {'an int' if kind == 'iu' else 'a number'} "
-                     f"(or one per prompt), got {value!r}")
-  if arr.ndim == 0:
-    arr = np.full((batch,), arr)
-  if arr.shape != (batch,):
-    raise ValueError(f"{name} must be a scalar or one value per prompt ({batch}), "
-                     f"got shape {arr.shape}")
-  return arr
 
 
 def check_prompts(prompts, model: Model) -> list[list[int]]:
@@ -102,7 +63,7 @@ def check_prompts(prompts, model: Model) -> list[list[int]]:
       if model.tokenizer is None:
         raise ValueError(f"prompt {i} is a string but the target has no tokenizer")
       prompt = model.tokenizer.encode(prompt)
-    prompt = _token_ids(f"prompt {i}", prompt, model.config.vocab_size)
+    prompt = checks.token_ids(f"prompt {i}", prompt, model.config.vocab_size)
     if not prompt:
       raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
     out.append(prompt)
@@ -121,9 +82,9 @@ def make_drafter(target: Model, draft: Model | None, drafter: str | None, gamma:
     return drafters_lib.NoDrafter(vocab_size=target.config.vocab_size)
   if drafter not in DRAFTERS:
     raise ValueError(f"drafter must be one of {DRAFTERS} (or None), got {drafter!r}")
-  gamma = _int_at_least("gamma (draft length)", gamma, 1)
+  gamma = checks.int_at_least("gamma (draft length)", gamma, 1)
   if drafter == "ngram":
-    if not (_is_int(ngram_min) and _is_int(ngram_max) and 1 <= ngram_min <= ngram_max):
+    if not (checks.is_int(ngram_min) and checks.is_int(ngram_max) and 1 <= ngram_min <= ngram_max):
       raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {ngram_min}, {ngram_max}")
     return drafters_lib.NgramDrafter(vocab_size=target.config.vocab_size, gamma=gamma,
                                      min_n=int(ngram_min), max_n=int(ngram_max))
@@ -170,11 +131,15 @@ def summarize_stats(state: decode_lib.DecodeState, gamma: int) -> dict[str, Any]
   return dict(gamma=gamma, **with_rates(counts))
 
 
+def _eos_ids(eos_id) -> list:
+  return [] if eos_id is None else ([eos_id] if np.ndim(eos_id) == 0 else list(eos_id))
+
+
 def _stop_table(target: Model, eos_id, stop_sequences):
   """EOS ids and stop sequences as one right-aligned table [K, L] plus lengths [K]."""
   vocab = target.config.vocab_size
-  eos = [] if eos_id is None else ([eos_id] if np.ndim(eos_id) == 0 else list(eos_id))
-  seqs = [_token_ids("eos_id", [e], vocab) for e in eos]
+  eos = _eos_ids(eos_id)
+  seqs = [checks.token_ids("eos_id", [e], vocab) for e in eos]
   if isinstance(stop_sequences, (str, bytes)):  # one stop string, not a list of characters
     stop_sequences = [stop_sequences]
   for i, stop in enumerate([] if stop_sequences is None else list(stop_sequences)):
@@ -182,7 +147,7 @@ def _stop_table(target: Model, eos_id, stop_sequences):
       if target.tokenizer is None:
         raise ValueError(f"stop sequence {i} is a string but the target has no tokenizer")
       stop = target.tokenizer.encode(stop)
-    stop = _token_ids(f"stop sequence {i}", stop, vocab)
+    stop = checks.token_ids(f"stop sequence {i}", stop, vocab)
     if not stop:
       raise ValueError(f"stop sequence {i} is empty")
     seqs.append(stop)
@@ -197,47 +162,57 @@ def _stop_table(target: Model, eos_id, stop_sequences):
 
 def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p, eos_id,
             stop_sequences=None, draft=None, gamma=4, drafter=None, draft_sample="probabilistic",
-            ngram_min=1, ngram_max=4):
+            ngram_min=1, ngram_max=4, repetition_penalty=1.0, presence_penalty=0.0,
+            frequency_penalty=0.0, no_repeat_ngram_size=0, min_new_tokens=0, logit_bias=None,
+            constraint=None, verify_rule="exact", rule_params=None) -> Prepared:
   """Validates everything and returns the engine's static and traced arguments."""
   prompts = check_prompts(prompts, target)
   batch = len(prompts)
-  max_new_tokens = _int_at_least("max_new_tokens", max_new_tokens, 1)
+  max_new_tokens = checks.int_at_least("max_new_tokens", max_new_tokens, 1)
   longest = max(len(p) for p in prompts)
   if longest + max_new_tokens > target.config.max_len:
     raise ValueError(f"prompt length {longest} + max_new_tokens {max_new_tokens} exceeds the "
                      f"target's context max_len={target.config.max_len}")
-  temperature = _per_row("temperature", temperature, batch, "iuf").astype(np.float64)
+  temperature = checks.per_row("temperature", temperature, batch, "iuf").astype(np.float64)
   if not np.all(np.isfinite(temperature)) or np.any(temperature < 0):
     raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), "
                      f"got {temperature.tolist()}")
   if np.any(temperature > np.finfo(np.float32).max):
     raise ValueError(f"temperature must fit in float32 (<= 3.4e38), got {temperature.tolist()}")
-  top_p = _per_row("top_p", top_p, batch, "iuf").astype(np.float32)
+  top_p = checks.per_row("top_p", top_p, batch, "iuf").astype(np.float32)
   if not np.all((top_p > 0) & (top_p <= 1)):
     raise ValueError(f"top_p must be in (0, 1], got {top_p.tolist()}")
-  top_k = _per_row("top_k", top_k, batch, "iu")
+  top_k = checks.per_row("top_k", top_k, batch, "iu")
   if np.any(top_k < 0):
     raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k.tolist()}")
   # k >= vocab keeps everything; clipping first keeps huge k from wrapping in int32.
   top_k = np.minimum(top_k, target.config.vocab_size).astype(np.int32)
   stop_seqs, stop_lens = _stop_table(target, eos_id, stop_sequences)
+  pcfg, procs = processors.settings_from_args(
+      batch, target.config.vocab_size, max_new_tokens, stop_seqs, stop_lens,
+      _eos_ids(eos_id), repetition_penalty=repetition_penalty,
+      presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+      no_repeat_ngram_size=no_repeat_ngram_size, min_new_tokens=min_new_tokens,
+      logit_bias=logit_bias, constraint=constraint)
   drafter_obj = make_drafter(target, draft, drafter, gamma, draft_sample, ngram_min, ngram_max)
+  rule = rules_lib.make_rule(verify_rule, rule_params, drafter_obj.gamma)
   if isinstance(drafter_obj, drafters_lib.ModelDrafter):
     if draft.config.max_len < longest + max_new_tokens:
       raise ValueError(f"prompt length {longest} + max_new_tokens {max_new_tokens} exceeds the "
                        f"draft's context max_len={draft.config.max_len}")
 
   # Bucketed shapes: nearby prompt lengths and budgets reuse one compiled engine.
-  prompt_width = _round_up(longest, 16)
-  cache_size = _round_up(prompt_width + max_new_tokens + drafter_obj.gamma + 2, 64)
+  prompt_width = checks.round_up(longest, 16)
+  cache_size = checks.round_up(prompt_width + max_new_tokens + drafter_obj.gamma + 2, 64)
   tokens = np.zeros((batch, cache_size), np.int32)
   for i, p in enumerate(prompts):
     tokens[i, :len(p)] = p
   sampling = Sampling.create(batch, temperature=temperature, top_k=top_k, top_p=top_p,
-                             max_new=max_new_tokens, stop_seqs=stop_seqs, stop_lens=stop_lens)
+                             max_new=max_new_tokens, stop_seqs=stop_seqs, stop_lens=stop_lens,
+                             procs=procs, pcfg=pcfg)
   uses_draft = isinstance(drafter_obj, drafters_lib.ModelDrafter)
   return Prepared(
-      engine=decode_lib.Engine(target=target.config, drafter=drafter_obj),
+      engine=decode_lib.Engine(target=target.config, drafter=drafter_obj, rule=rule),
       weights=decode_lib.Weights(target=target.params,
                                  draft=draft.params if uses_draft else None),
       prompt_width=prompt_width, cache_size=cache_size, tokens=jnp.asarray(tokens),
@@ -249,7 +224,10 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
              draft: Model | None = None,
              gamma: int = 4, drafter: str | None = None,
              draft_sample: str = "probabilistic", ngram_min: int = 1,
-             ngram_max: int = 4) -> GenerateResult:
+             ngram_max: int = 4, verify_rule: str = "exact",
+             rule_params: dict | None = None, repetition_penalty=1.0, presence_penalty=0.0,
+             frequency_penalty=0.0, no_repeat_ngram_size=0, min_new_tokens=0,
+             logit_bias=None, constraint=None) -> GenerateResult:
   """Generates up to `max_new_tokens` new tokens for each prompt.
 
   With no `draft` and `drafter=None` this is plain autoregressive decoding. With a draft
@@ -273,15 +251,33 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
     drafter: 'model', 'ngram' (prompt lookup, no draft model) or None (infer).
     draft_sample: 'probabilistic' (sample from q) or 'greedy' (argmax, one-hot q).
     ngram_min, ngram_max: suffix lengths the n-gram drafter tries.
+    verify_rule: 'exact' (lossless, the default) or a research rule that is NOT lossless:
+      'typical', 'threshold', 'synthetic' (`specjax.rules`; stats['lossless'] says which).
+    rule_params: keyword arguments of that rule, e.g. {'epsilon': 0.09, 'delta': 0.3}
+      (typical), {'ratio': 0.5, 'floor': 0.3} (threshold), {'rates': (0.9, 0.8, ...)}
+      (synthetic: one unconditional acceptance probability per draft position).
+    repetition_penalty: Hugging Face/CTRL rule over prompt + generated tokens (1 = off).
+    presence_penalty, frequency_penalty: OpenAI rule over generated tokens (0 = off).
+    no_repeat_ngram_size: bans a token that would repeat an n-gram of prompt + generated.
+    min_new_tokens: EOS and the first token of every stop sequence are banned before this.
+    logit_bias: {token_id: bias} (or one dict per prompt) added to the raw logits.
+    constraint: a `specjax.constraints.TokenAutomaton` (e.g. `constraints.regex(...)`):
+      tokens leaving its language are masked; EOS only where it accepts; a row whose
+      text is complete with nothing to follow stops.
+    The processors act on the raw logits, per candidate prefix, for target and draft
+    alike, before temperature / top-k / top-p; speculation stays lossless with them.
   """
-  seed = _int_at_least("seed", seed, 0)
+  seed = checks.int_at_least("seed", seed, 0)
   if seed >= 2 ** 32:  # PRNGKey keeps 32 bits: larger seeds would collide with small ones
     raise ValueError(f"seed must be < 2**32, got {seed}")
   args = prepare(target, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                  top_k=top_k, top_p=top_p, eos_id=eos_id, stop_sequences=stop_sequences,
                  draft=draft, gamma=gamma,
                  drafter=drafter, draft_sample=draft_sample, ngram_min=ngram_min,
-                 ngram_max=ngram_max)
+                 ngram_max=ngram_max, verify_rule=verify_rule, rule_params=rule_params,
+                 repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                 frequency_penalty=frequency_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
+                 min_new_tokens=min_new_tokens, logit_bias=logit_bias, constraint=constraint)
   state = args.run(jax.random.PRNGKey(seed))
   tokens, n, prompt_len = jax.device_get((state.tokens, state.n, state.prompt_len))
   new = [tokens[i, prompt_len[i]:n[i]].tolist() for i in range(len(n))]

@@ -10,17 +10,23 @@ the first argmax of the raw logits, not a small temperature.
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from specjax import processors
 
 
 @flax.struct.dataclass
 class Sampling:
   """Traced per-row sampling settings: one compile serves every value.
 
-  Built by `Sampling.create`, the one place that fills the defaults.
+  Built by `Sampling.create` (or `specjax.generation.prepare`), the one place that fills
+  the defaults. `procs`/`pcfg` are the history-dependent processors (`processors.py`);
+  `history` is attached by the engine each round: the committed prefix of every row.
   """
   temperature: jax.Array  # float32[B]; 0 = greedy
   top_k: jax.Array  # int32[B]; 0 = off
@@ -28,22 +34,46 @@ class Sampling:
   max_new: jax.Array  # int32[B]
   stop_seqs: jax.Array  # int32[K, L] stop sequences, right-aligned; EOS ids are length 1
   stop_lens: jax.Array  # int32[K]; a length-0 row never matches
+  procs: Any = None  # processors.ProcessorSettings, or None when none are on
+  history: Any = None  # processors.History of the committed prefix, set each round
+  pcfg: processors.ProcessorConfig = flax.struct.field(
+      pytree_node=False, default=processors.ProcessorConfig())
 
   @classmethod
   def create(cls, batch: int, temperature=1.0, top_k=0, top_p=1.0, max_new=0,
-             stop_seqs=None, stop_lens=None) -> "Sampling":
+             stop_seqs=None, stop_lens=None, procs=None,
+             pcfg: processors.ProcessorConfig | None = None) -> "Sampling":
     """Scalars or [batch] values; no stop table means none (one length-0 row)."""
     row = lambda x, dtype: jnp.broadcast_to(jnp.asarray(x, dtype), (batch,))
     if stop_seqs is None:
       stop_seqs, stop_lens = np.zeros((1, 1), np.int32), np.zeros((1,), np.int32)
+    pcfg = pcfg or processors.ProcessorConfig()
     return cls(temperature=row(temperature, jnp.float32), top_k=row(top_k, jnp.int32),
                top_p=row(top_p, jnp.float32), max_new=row(max_new, jnp.int32),
                stop_seqs=jnp.asarray(stop_seqs, jnp.int32),
-               stop_lens=jnp.asarray(stop_lens, jnp.int32))
+               stop_lens=jnp.asarray(stop_lens, jnp.int32),
+               procs=procs if pcfg.active else None, pcfg=pcfg)
 
-  def process(self, logits: jax.Array) -> jax.Array:
-    """logits [B, ..., V] -> the distributions sampled from, with these settings."""
-    return process_logits(logits, self.temperature, self.top_k, self.top_p)
+  @property
+  def has_processors(self) -> bool:
+    return self.pcfg.active
+
+  def adjust(self, logits: jax.Array, history=None) -> jax.Array:
+    """Raw logits [B, V] -> logits after the history-dependent processors."""
+    if history is None or not self.pcfg.active:
+      return logits
+    return processors.apply(self.pcfg, self.procs, logits, history)
+
+  def process(self, logits: jax.Array, history=None) -> jax.Array:
+    """logits [B, ..., V] -> the distributions sampled from (processors need [B, V])."""
+    return process_logits(self.adjust(logits, history), self.temperature, self.top_k,
+                          self.top_p)
+
+  def advance(self, history, token):
+    """The history after appending token int32[B] (None stays None)."""
+    if history is None or not self.pcfg.active:
+      return history
+    return processors.advance(self.pcfg, self.procs, history, token)
 
 
 def _param(x, lead_shape, dtype):

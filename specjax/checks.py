@@ -1,0 +1,52 @@
+"""Host-side argument checks: each failure is a ValueError that names the argument."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def round_up(x: int, multiple: int) -> int:
+  return -(-x // multiple) * multiple
+
+
+def is_int(x) -> bool:
+  return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def int_at_least(name, value, low) -> int:
+  if not is_int(value) or value < low:
+    raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+  return int(value)
+
+
+def token_ids(name, ids, vocab) -> list[int]:
+  """A flat sequence of ints in [0, vocab); bools, floats and nesting are refused."""
+  if isinstance(ids, (str, bytes)) or not isinstance(ids, (Sequence, np.ndarray)):
+    raise ValueError(f"{name} must be a list of token ids, got {ids!r}")
+  ids = list(ids)
+  bad = [t for t in ids if not is_int(t)]
+  if bad:
+    raise ValueError(f"{name} must hold integer token ids, got {bad[:5]}")
+  out_of_range = [int(t) for t in ids if not 0 <= t < vocab]
+  if out_of_range:
+    raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab}): "
+                     f"{out_of_range[:5]}")
+  return [int(t) for t in ids]
+
+
+def per_row(name, value, batch, kind):
+  """A scalar or one value per prompt, as a [batch] array; bools are refused."""
+  arr = np.asarray(value)
+  if arr.dtype.kind not in kind:
+    raise ValueError(f"{name} must be {'an int' if kind == 'iu' else 'a number'} "
+                     f"(or one per prompt), got {value!r}")
+  if arr.ndim == 0:
+    arr = np.full((batch,), arr)
+  if arr.shape != (batch,):
+    raise ValueError(f"{name} must be a scalar or one value per prompt ({batch}), "
+                     f"got shape {arr.shape}")
+  return arr
+
+

@@ -1,0 +1,254 @@
+"""History-dependent logits processors, evaluated per candidate prefix.
+
+Penalties, n-gram bans, a minimum length, a logit bias and a token automaton act on the
+raw logits before temperature / top-k / top-p, in this order: repetition penalty,
+presence/frequency penalties, logit bias, then the bans (n-grams, min length, automaton). Each depends on the text so far, so in a
+round the target's distribution at position i is processed with the history
+prompt + committed + y_1..y_{i-1}, and the draft processes its own proposals the same
+way as it drafts. Nothing survives a rejection: the committed `History` is advanced
+over the committed tokens only.
+
+Three pieces:
+  `ProcessorConfig` (static, in the engine): which processors run — one compile per
+    combination, and none of this costs anything when all are off;
+  `ProcessorSettings` (traced, in `Sampling`): their per-row values;
+  `History` (traced, per prefix): what they need of the text so far — its length, token
+    counts (prompt + generated, and generated only), the automaton state and, for n-gram
+    bans, the token sequence itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import checks
+from specjax.constraints import DEAD, TokenAutomaton
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessorConfig:
+  repetition: bool = False  # repetition_penalty != 1 on some row
+  presence: bool = False  # presence or frequency penalty != 0 on some row
+  ngram: int = 0  # the largest no_repeat_ngram_size (0: off)
+  min_new: bool = False
+  bias: bool = False
+  constraint: bool = False
+
+  @property
+  def active(self) -> bool:
+    return bool(self.repetition or self.presence or self.ngram or self.min_new or self.bias
+                or self.constraint)
+
+
+@flax.struct.dataclass
+class ProcessorSettings:
+  repetition_penalty: jax.Array  # float32[B]
+  presence_penalty: jax.Array  # float32[B]
+  frequency_penalty: jax.Array  # float32[B]
+  no_repeat_ngram: jax.Array  # int32[B]
+  min_new: jax.Array  # int32[B]
+  logit_bias: jax.Array  # float32[B, V] (or [B, 0] when off)
+  banned_early: jax.Array  # bool[V]: EOS ids and first stop tokens, banned before min_new
+  fsm_next: jax.Array  # int32[Q, V] next state (DEAD: leaves the language)
+  fsm_accept: jax.Array  # bool[Q]
+  fsm_start: jax.Array  # int32 scalar
+  eos: jax.Array  # bool[V]: EOS ids, allowed only in accepting states
+
+
+@flax.struct.dataclass
+class History:
+  """What the processors need of one prefix of every row."""
+  length: jax.Array  # int32[B] prefix length, prompt included
+  prompt_len: jax.Array  # int32[B]
+  counts: jax.Array | None  # int32[B, V] in prompt + generated (repetition penalty)
+  gen_counts: jax.Array | None  # int32[B, V] in generated tokens (presence/frequency)
+  fsm: jax.Array | None  # int32[B] automaton state after the generated tokens
+  seq: jax.Array | None  # int32[B, S] the tokens themselves (n-gram bans)
+
+
+def _count(tokens, mask, vocab):
+  rows = jnp.arange(tokens.shape[0])[:, None]
+  return jnp.zeros((tokens.shape[0], vocab), jnp.int32).at[rows, tokens].add(
+      mask.astype(jnp.int32))
+
+
+def init_history(cfg: ProcessorConfig, settings: ProcessorSettings, tokens, n, prompt_len,
+                 vocab) -> History:
+  """The history of the committed prefix tokens[:, :n] (a prefill: nothing generated yet
+  beyond n - prompt_len, which the counts include)."""
+  slot = jnp.arange(tokens.shape[1])[None, :]
+  counts = _count(tokens, slot < n[:, None], vocab) if cfg.repetition else None
+  gen = (_count(tokens, (slot < n[:, None]) & (slot >= prompt_len[:, None]), vocab)
+         if cfg.presence else None)
+  fsm = jnp.broadcast_to(settings.fsm_start, n.shape) if cfg.constraint else None
+  return History(length=n, prompt_len=prompt_len, counts=counts, gen_counts=gen, fsm=fsm,
+                 seq=tokens if cfg.ngram else None)
+
+
+def advance(cfg: ProcessorConfig, settings: ProcessorSettings, h: History, token) -> History:
+  """The history after appending token int32[B] to every row."""
+  rows = jnp.arange(token.shape[0])
+  return h.replace(
+      length=h.length + 1,
+      counts=None if h.counts is None else h.counts.at[rows, token].add(1),
+      gen_counts=None if h.gen_counts is None else h.gen_counts.at[rows, token].add(1),
+      fsm=None if h.fsm is None else jnp.where(
+          h.fsm == DEAD, DEAD, settings.fsm_next[jnp.maximum(h.fsm, 0), token]),
+      seq=None if h.seq is None else h.seq.at[rows, h.length].set(token, mode="drop"))
+
+
+def prefix_histories(cfg, settings, h: History, ys) -> History:
+  """Histories of the prefixes h + ys[:, :i] for i = 0..T, stacked on axis 1: [B, T+1, ...]."""
+  def step(h, y):
+    nxt = advance(cfg, settings, h, y)
+    return nxt, nxt
+
+  _, later = jax.lax.scan(step, h, ys.T)
+  stack = lambda first, rest: jnp.concatenate([first[None], rest], axis=0)
+  out = jax.tree_util.tree_map(stack, h, later)  # [T+1, B, ...]
+  return jax.tree_util.tree_map(lambda x: jnp.moveaxis(x, 0, 1), out)
+
+
+def terminal(settings: ProcessorSettings, fsm):
+  """bool: the state accepts and no token continues it (the row has finished)."""
+  safe = jnp.maximum(fsm, 0)
+  return (fsm != DEAD) & settings.fsm_accept[safe] & jnp.all(
+      settings.fsm_next[safe] == DEAD, axis=-1)
+
+
+def _ngram_banned(seq, length, n_row, max_n):
+  """bool[B, V]-ready mask: tokens that would complete an n-gram already in seq[:length].
+
+  For every earlier j with seq[j-k] == seq[length-k] for k = 1..n-1, seq[j] is banned
+  (n = 1 bans every token present). Rows with n = 0, or shorter than n - 1, ban nothing.
+  """
+  size = seq.shape[1]
+  j = jnp.arange(size)[None, :]
+  match = (j < length[:, None]) & (j >= n_row[:, None] - 1) & (n_row[:, None] > 0)
+  for k in range(1, max_n):
+    earlier = jnp.take_along_axis(seq, jnp.maximum(j - k, 0), axis=1)
+    last = jnp.take_along_axis(seq, jnp.maximum(length - k, 0)[:, None], axis=1)
+    match &= (earlier == last) | (k >= n_row[:, None])
+  return match & (length[:, None] >= n_row[:, None] - 1)
+
+
+def apply(cfg: ProcessorConfig, settings: ProcessorSettings, logits, h: History):
+  """Processed raw logits [B, V] for the prefix `h` of each row."""
+  if not cfg.active:
+    return logits
+  logits = logits.astype(jnp.float32)
+  rows = jnp.arange(logits.shape[0])[:, None]
+  if cfg.repetition:
+    penalty = settings.repetition_penalty[:, None]
+    hit = jnp.where(logits > 0, logits / penalty, logits * penalty)
+    logits = jnp.where(h.counts > 0, hit, logits)
+  if cfg.presence:
+    logits = logits - (settings.presence_penalty[:, None] * (h.gen_counts > 0)
+                       + settings.frequency_penalty[:, None] * h.gen_counts)
+  if cfg.bias:
+    logits = logits + settings.logit_bias
+  banned = jnp.zeros(logits.shape, bool)
+  if cfg.ngram:
+    hits = _ngram_banned(h.seq, h.length, settings.no_repeat_ngram, cfg.ngram)
+    banned = jnp.zeros(logits.shape, jnp.int32).at[rows, h.seq].max(hits.astype(jnp.int32)) > 0
+  if cfg.min_new:
+    early = (h.length - h.prompt_len) < settings.min_new
+    banned |= early[:, None] & settings.banned_early[None, :]
+  if cfg.constraint:
+    safe = jnp.maximum(h.fsm, 0)
+    allowed = settings.fsm_next[safe] != DEAD
+    allowed |= settings.eos[None, :] & settings.fsm_accept[safe][:, None]
+    banned |= ~allowed
+  out = jnp.where(banned, -jnp.inf, logits)
+  # A prefix with nothing allowed (past a rejected draft, or a finished constrained row)
+  # is never committed from: keep its logits finite rather than make NaNs.
+  return jnp.where(jnp.all(banned, axis=-1, keepdims=True), logits, out)
+
+
+# ----------------------------------------------------------------------------
+# Host side: `generate`'s keyword arguments -> (ProcessorConfig, ProcessorSettings).
+
+
+def settings_from_args(batch, vocab, max_new_tokens, stop_seqs, stop_lens, eos_ids, *,
+                       repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
+                       no_repeat_ngram_size=0, min_new_tokens=0, logit_bias=None,
+                       constraint=None):
+  """Checks every processor argument (ValueError naming it) and builds both halves.
+
+  A processor whose value is neutral on every row (penalty 1, size 0, ...) is off: it
+  costs nothing, and switching it on compiles once more.
+  """
+  rep = checks.per_row("repetition_penalty", repetition_penalty, batch, "iuf").astype(np.float64)
+  if not np.all(np.isfinite(rep) & (rep > 0)):
+    raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), "
+                     f"got {rep.tolist()}")
+  pres, freq = (checks.per_row(name, value, batch, "iuf").astype(np.float64) for name, value in
+                (("presence_penalty", presence_penalty),
+                 ("frequency_penalty", frequency_penalty)))
+  for name, arr in (("presence_penalty", pres), ("frequency_penalty", freq)):
+    if not np.all(np.isfinite(arr)):
+      raise ValueError(f"{name} must be finite, got {arr.tolist()}")
+  ngram = checks.per_row("no_repeat_ngram_size", no_repeat_ngram_size, batch, "iu")
+  if np.any(ngram < 0):
+    raise ValueError(f"no_repeat_ngram_size must be >= 0 (0 = off), got {ngram.tolist()}")
+  min_new = checks.per_row("min_new_tokens", min_new_tokens, batch, "iu")
+  if np.any(min_new < 0) or np.any(min_new > max_new_tokens):
+    raise ValueError(f"min_new_tokens must be in [0, max_new_tokens={max_new_tokens}], "
+                     f"got {min_new.tolist()}")
+  bias = _bias_table(logit_bias, batch, vocab)
+  if constraint is not None:
+    if not isinstance(constraint, TokenAutomaton):
+      raise ValueError(f"constraint must be a specjax.constraints.TokenAutomaton (e.g. "
+                       f"constraints.regex(pattern, tokenizer)), got {type(constraint).__name__}")
+    if constraint.vocab_size != vocab:
+      raise ValueError(f"constraint was built for a vocabulary of {constraint.vocab_size} "
+                       f"tokens, the target has {vocab}")
+  # Static: which processors run. n-gram sizes share a compile up to a multiple of 4.
+  cfg = ProcessorConfig(
+      repetition=bool(np.any(rep != 1)), presence=bool(np.any((pres != 0) | (freq != 0))),
+      ngram=checks.round_up(int(ngram.max()), 4) if np.any(ngram > 0) else 0,
+      min_new=bool(np.any(min_new > 0)), bias=bias is not None,
+      constraint=constraint is not None)
+  early = np.zeros(vocab, bool)
+  stop_seqs, stop_lens = np.asarray(stop_seqs), np.asarray(stop_lens)
+  for k, length in enumerate(stop_lens):
+    if length > 0:
+      early[stop_seqs[k, stop_seqs.shape[1] - length]] = True  # the first stop token
+  eos = np.zeros(vocab, bool)
+  eos[list(eos_ids)] = True
+  table = constraint
+  settings = ProcessorSettings(
+      repetition_penalty=jnp.asarray(rep, jnp.float32),
+      presence_penalty=jnp.asarray(pres, jnp.float32),
+      frequency_penalty=jnp.asarray(freq, jnp.float32),
+      no_repeat_ngram=jnp.asarray(ngram, jnp.int32), min_new=jnp.asarray(min_new, jnp.int32),
+      logit_bias=jnp.asarray(bias if bias is not None else np.zeros((batch, 0)), jnp.float32),
+      banned_early=jnp.asarray(early),
+      fsm_next=jnp.asarray(table.next if table else np.zeros((1, 1), np.int32)),
+      fsm_accept=jnp.asarray(table.accept if table else np.zeros((1,), bool)),
+      fsm_start=jnp.asarray(table.start if table else 0, jnp.int32), eos=jnp.asarray(eos))
+  return cfg, settings
+
+
+def _bias_table(logit_bias, batch, vocab):
+  """{token_id: bias} for every row, or one dict per row -> float[B, V]; None stays None."""
+  if logit_bias is None:
+    return None
+  per_row = [logit_bias] * batch if isinstance(logit_bias, dict) else list(logit_bias)
+  if len(per_row) != batch or not all(isinstance(d, dict) for d in per_row):
+    raise ValueError(f"logit_bias must be a dict {{token_id: bias}} or one dict per prompt "
+                     f"({batch}), got {logit_bias!r}")
+  table = np.zeros((batch, vocab), np.float64)
+  for b, d in enumerate(per_row):
+    for token, value in d.items():
+      if not checks.is_int(token) or not 0 <= token < vocab:
+        raise ValueError(f"logit_bias token id {token!r} is outside the vocabulary [0, {vocab})")
+      if not isinstance(value, (int, float, np.number)) or not np.isfinite(value):
+        raise ValueError(f"logit_bias for token {token} must be a finite number, got {value!r}")
+      table[b, token] = value
+  return table
