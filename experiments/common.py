@@ -16,6 +16,10 @@ from specjax.pretrained import load_pretrained
 def load_pair(target_name: str, draft_name: str | None):
   target = load_pretrained(target_name)
   draft = load_pretrained(draft_name) if draft_name else None
+  if draft is not None and draft.config.vocab_size < target.config.vocab_size:
+    # Same tokenizer, fewer embedding rows (Qwen2.5-0.5B vs 7B): zero rows never win.
+    from specjax import hf
+    draft = hf.pad_vocab(draft, target.config.vocab_size)
   if draft is not None and draft.config.vocab_size != target.config.vocab_size:
     raise ValueError(f"draft {draft_name!r} (vocab {draft.config.vocab_size}) and target "
                      f"{target_name!r} (vocab {target.config.vocab_size}) differ")

@@ -185,4 +185,4 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32) -> model_lib.Model:
     if tokenizer.vocab_size > cfg.vocab_size:
       raise CheckpointError(f"checkpoint {path}: tokenizer has {tokenizer.vocab_size} tokens, "
                             f"model only {cfg.vocab_size}")
-  return model_lib.Model(cfg, model_lib.graphdef_for(cfg), params, tokenizer)
+  return model_lib.Model(cfg, params, tokenizer)

@@ -95,28 +95,22 @@ class ModelConfig:
       raise ValueError(
           f"ModelConfig.d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
           "set head_dim explicitly")
-    if self.n_heads % self.kv_heads:
+    # One name per field: the defaults are filled here, so configs from different sources
+    # (a JSON with nulls, a Hugging Face import) compare and hash equal.
+    for name, default in (("n_kv_heads", self.n_heads), ("head_dim", self.d_model // self.n_heads),
+                          ("d_ff", 4 * self.d_model)):
+      if getattr(self, name) is None:
+        object.__setattr__(self, name, default)
+    if self.n_heads % self.n_kv_heads:
       raise ValueError(
-          f"ModelConfig.n_heads={self.n_heads} must be a multiple of n_kv_heads={self.kv_heads}")
-    if self.position == "rope" and self.dim_per_head % 2:
-      raise ValueError(f"RoPE needs an even head_dim, got {self.dim_per_head}")
+          f"ModelConfig.n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
+    if self.position == "rope" and self.head_dim % 2:
+      raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
     if self.rope_scaling is not None:
       if self.position != "rope":
         raise ValueError("ModelConfig.rope_scaling needs position='rope', "
                          f"got position={self.position!r}")
       object.__setattr__(self, "rope_scaling", _rope_scaling(self.rope_scaling))
-
-  @property
-  def kv_heads(self) -> int:
-    return self.n_kv_heads or self.n_heads
-
-  @property
-  def dim_per_head(self) -> int:
-    return self.head_dim or self.d_model // self.n_heads
-
-  @property
-  def ff_dim(self) -> int:
-    return self.d_ff or 4 * self.d_model
 
   @classmethod
   def llama(cls, **kwargs) -> "ModelConfig":

@@ -80,10 +80,10 @@ def machine_info() -> dict:
 def forward_flops(config, tokens: int, context: int) -> float:
   """Multiply-adds x 2 of one cached forward of `tokens` new tokens per row at `context`."""
   d, layers = config.d_model, config.n_layers
-  q_width = config.n_heads * config.dim_per_head
-  kv_width = config.kv_heads * config.dim_per_head
-  ff = config.ff_dim * (2 if config.mlp == "swiglu" else 1)
-  per_token = layers * (d * (q_width + 2 * kv_width) + q_width * d + d * ff + config.ff_dim * d
+  q_width = config.n_heads * config.head_dim
+  kv_width = config.n_kv_heads * config.head_dim
+  ff = config.d_ff * (2 if config.mlp == "swiglu" else 1)
+  per_token = layers * (d * (q_width + 2 * kv_width) + q_width * d + d * ff + config.d_ff * d
                         + 2 * q_width * (context + tokens)) + d * config.vocab_size
   return 2.0 * per_token * tokens
 

@@ -33,7 +33,7 @@ class KVState:
 
 
 def init_kv(cfg: ModelConfig, batch: int, size: int, dtype=jnp.float32) -> KVState:
-  shape = (batch, cfg.kv_heads, size, cfg.dim_per_head)
+  shape = (batch, cfg.n_kv_heads, size, cfg.head_dim)
   zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers))
   return KVState(k=zeros, v=zeros, length=jnp.zeros((batch,), jnp.int32))
 

@@ -41,7 +41,7 @@ def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
   original_max / low_freq_factor) by `factor`, keeps the high ones (wavelengths under
   original_max / high_freq_factor) and interpolates smoothly in between.
   """
-  dim = cfg.dim_per_head
+  dim = cfg.head_dim
   inv_freq = 1.0 / cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
   scaling = dict(cfg.rope_scaling or ())
   if scaling.get("rope_type") == "llama3":
@@ -102,7 +102,7 @@ class Attention(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg
-    h, kvh, d = cfg.n_heads, cfg.kv_heads, cfg.dim_per_head
+    h, kvh, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     # q, k and v in one matmul: fewer, larger ops are what a small model needs on CPU.
     self.qkv = _dense(rngs, cfg.d_model, (h + 2 * kvh) * d, cfg.qkv_bias, 0.02)
     self.out = _dense(rngs, h * d, cfg.d_model, cfg.out_bias, 0.02 / (2 * cfg.n_layers) ** 0.5)
@@ -118,7 +118,7 @@ class Attention(nnx.Module):
     """
     cfg = self.cfg
     b, t, _ = x.shape
-    h, kvh, d = cfg.n_heads, cfg.kv_heads, cfg.dim_per_head
+    h, kvh, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     qkv = self.qkv(x)
     q = qkv[..., : h * d].reshape(b, t, h, d)
     k = qkv[..., h * d: (h + kvh) * d].reshape(b, t, kvh, d)
@@ -144,9 +144,9 @@ class MLP(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg
-    width = 2 * cfg.ff_dim if cfg.mlp == "swiglu" else cfg.ff_dim  # gate and up fused
+    width = 2 * cfg.d_ff if cfg.mlp == "swiglu" else cfg.d_ff  # gate and up fused
     self.up = _dense(rngs, cfg.d_model, width, cfg.mlp_bias, 0.02)
-    self.down = _dense(rngs, cfg.ff_dim, cfg.d_model, cfg.mlp_bias,
+    self.down = _dense(rngs, cfg.d_ff, cfg.d_model, cfg.mlp_bias,
                        0.02 / (2 * cfg.n_layers) ** 0.5)
 
   def __call__(self, x):
@@ -267,16 +267,22 @@ def count_params(params: Params) -> int:
 
 
 class Model:
-  """A model ready to use: config, static graph, parameters and (optionally) a tokenizer.
+  """A model ready to use: config, parameters and (optionally) a tokenizer.
 
-  Not a pytree on purpose: jitted code receives `graphdef` (static) and `params`.
+  The config is its one static identity; the graph is derived from it. Not a pytree on
+  purpose: jitted code receives `graphdef` (static) and `params`.
   """
 
-  def __init__(self, config: ModelConfig, graphdef, params: Params, tokenizer=None):
+  def __init__(self, config: ModelConfig, params: Params, tokenizer=None):
+    if not isinstance(config, ModelConfig):
+      raise ValueError(f"Model needs a ModelConfig, got {type(config).__name__}")
     self.config = config
-    self.graphdef = graphdef
     self.params = params
     self.tokenizer = tokenizer
+
+  @property
+  def graphdef(self):
+    return graphdef_for(self.config)
 
   @property
   def num_params(self) -> int:
@@ -292,7 +298,7 @@ class Model:
     return forward_jit(self.graphdef, self.params, tokens)
 
   def with_params(self, params: Params) -> "Model":
-    return Model(self.config, self.graphdef, params, self.tokenizer)
+    return Model(self.config, params, self.tokenizer)
 
   def __repr__(self):
     return f"Model({self.config}, params={self.num_params:,})"
@@ -316,5 +322,5 @@ def abstract_params(cfg: ModelConfig) -> Params:
 
 def init_model(cfg: ModelConfig, seed: int = 0) -> Model:
   """A model with freshly initialised random weights."""
-  graphdef, params = split(Transformer(cfg, nnx.Rngs(seed)))
-  return Model(cfg, graphdef, params)
+  _, params = split(Transformer(cfg, nnx.Rngs(seed)))
+  return Model(cfg, params)

@@ -341,7 +341,7 @@ def train(config, workdir: str | os.PathLike) -> model_lib.Model:
               "train_tokens": step * tokens_per_step}
     agree = ""
     if teacher is not None:  # how often the student would be accepted as a draft
-      rates = acceptance_rate(teacher, model_lib.Model(cfg, graphdef, params), eval_windows,
+      rates = acceptance_rate(teacher, model_lib.Model(cfg, params), eval_windows,
                               config.eval_batch_size)
       record.update({f"eval/{k}": rates[k] for k in ("alpha_t0", "alpha_t1")})
       agree = f"  alpha T=0 {rates['alpha_t0']:.4f}  T=1 {rates['alpha_t1']:.4f}"
@@ -389,7 +389,7 @@ def train(config, workdir: str | os.PathLike) -> model_lib.Model:
                             dtype=jnp.dtype(config.export_dtype) if config.export_dtype else None,
                             metadata=meta)
   _log(f"exported to {export_dir}: {json.dumps(meta)}")
-  return model_lib.Model(cfg, graphdef, params, tok)
+  return model_lib.Model(cfg, params, tok)
 
 
 def optimizer_lr(config, step: int) -> float:

@@ -119,12 +119,13 @@ def test_logits_match_transformers(checkpoints, name):
 def test_config_mapping(checkpoints):
   llama = hf.load_hf_model(checkpoints["llama"][0]).config
   assert (llama.n_kv_heads, llama.head_dim, llama.rope_theta, llama.norm_eps) == (2, 16, 500.0, 1e-5)
-  assert hf.load_hf_model(checkpoints["mistral"][0]).config.head_dim is None  # the default
+  mistral = hf.load_hf_model(checkpoints["mistral"][0]).config
+  assert mistral.head_dim == mistral.d_model // mistral.n_heads  # the default, filled in
   assert not llama.tie_embeddings and not llama.qkv_bias
   qwen2 = hf.load_hf_model(checkpoints["qwen2"][0]).config
   assert qwen2.qkv_bias and not qwen2.out_bias and qwen2.tie_embeddings
   gpt2 = hf.load_hf_model(checkpoints["gpt2"][0]).config
-  assert (gpt2.max_len, gpt2.ff_dim, gpt2.norm_eps) == (40, 80, 1e-4)
+  assert (gpt2.max_len, gpt2.d_ff, gpt2.norm_eps) == (40, 80, 1e-4)
   assert gpt2.rope_scaling is None and not gpt2.qk_norm and not llama.qk_norm
   llama3 = hf.load_hf_model(checkpoints["llama3"][0]).config
   assert dict(llama3.rope_scaling) == {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}
@@ -301,7 +302,7 @@ def test_llama3_scaling_changes_the_logits(checkpoints):
   """The logits check above would catch ignored scaling: it moves them well past ATOL."""
   model = hf.load_hf_model(checkpoints["llama3"][0])
   plain_cfg = ModelConfig(**{**model.config.to_dict(), "rope_scaling": None})
-  plain = Model(plain_cfg, graphdef_for(plain_cfg), model.params)
+  plain = Model(plain_cfg, model.params)
   tokens = _tokens(64, (1, 13))
   moved = np.abs(np.asarray(model.logits(tokens)) - np.asarray(plain.logits(tokens))).max()
   assert moved > 100 * ATOL

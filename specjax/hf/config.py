@@ -8,7 +8,6 @@ compute exactly. Export picks the transformers architecture that computes a give
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any
 
@@ -163,12 +162,8 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
   kind = family(model_type)
   if hf_config.get("quantization_config"):
     raise ValueError(f"quantized checkpoints are not supported: {hf_config['quantization_config']}")
-  cfg = _gpt2_config(hf_config) if kind == "gpt2" else _llama_config(hf_config)
-  # Defaults back to None, so a config equals (and jit-caches like) the one it came from.
-  defaults = dict(n_kv_heads=cfg.n_heads, head_dim=cfg.d_model // cfg.n_heads,
-                  d_ff=4 * cfg.d_model)
-  return dataclasses.replace(
-      cfg, **{k: None for k, v in defaults.items() if getattr(cfg, k) == v})
+  # ModelConfig fills its own defaults, so this equals a config written by hand.
+  return _gpt2_config(hf_config) if kind == "gpt2" else _llama_config(hf_config)
 
 
 def export_type(cfg: ModelConfig) -> str:
@@ -177,9 +172,9 @@ def export_type(cfg: ModelConfig) -> str:
                    out_bias=True, mlp_bias=True, qk_norm=False)
   llama_like = dict(position="rope", norm="rmsnorm", mlp="swiglu")
   if all(getattr(cfg, k) == v for k, v in gpt2_like.items()):
-    if cfg.kv_heads != cfg.n_heads or cfg.dim_per_head * cfg.n_heads != cfg.d_model:
+    if cfg.n_kv_heads != cfg.n_heads or cfg.head_dim * cfg.n_heads != cfg.d_model:
       raise ValueError("GPT-2 needs n_kv_heads == n_heads and head_dim == d_model // n_heads, "
-                       f"got n_kv_heads={cfg.kv_heads}, head_dim={cfg.dim_per_head}")
+                       f"got n_kv_heads={cfg.n_kv_heads}, head_dim={cfg.head_dim}")
     return "gpt2"
   if all(getattr(cfg, k) == v for k, v in llama_like.items()):
     if cfg.qk_norm:  # Qwen3: attention_bias covers q, k, v and o alike; no MLP biases
@@ -212,16 +207,16 @@ def config_to_hf(cfg: ModelConfig, *, bos_id: int | None = None,
     out = dict(
         architectures=["GPT2LMHeadModel"], model_type="gpt2", vocab_size=cfg.vocab_size,
         n_positions=cfg.max_len, n_embd=cfg.d_model, n_layer=cfg.n_layers,
-        n_head=cfg.n_heads, n_inner=cfg.ff_dim, activation_function="gelu_new",
+        n_head=cfg.n_heads, n_inner=cfg.d_ff, activation_function="gelu_new",
         layer_norm_epsilon=cfg.norm_eps, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
         scale_attn_weights=True)
   else:
     scaling = dict(cfg.rope_scaling) if cfg.rope_scaling else {"rope_type": "default"}
     out = dict(
         architectures=[_ARCHITECTURES[model_type]], model_type=model_type,
-        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ff_dim,
+        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.kv_heads, head_dim=cfg.dim_per_head, hidden_act="silu",
+        num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, hidden_act="silu",
         max_position_embeddings=cfg.max_len, rms_norm_eps=cfg.norm_eps,
         # Both spellings: transformers 5 reads rope_parameters, 4.x rope_theta/rope_scaling.
         rope_theta=cfg.rope_theta, rope_parameters={**scaling, "rope_theta": cfg.rope_theta})

@@ -15,7 +15,7 @@ import numpy as np
 
 from specjax.hf.config import config_from_hf, config_to_hf, export_type
 from specjax.hf.weights import float_dtype, params_from_hf, params_to_hf
-from specjax.model import Model, graphdef_for
+from specjax.model import Model
 from specjax.pretrained import looks_like_hub_id
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -166,7 +166,7 @@ def load_hf_model(path_or_id: str | os.PathLike, dtype=jnp.float32) -> Model:
   cfg = config_from_hf(hf_config)
   tensors = CheckpointTensors(directory)
   params = params_from_hf(cfg, hf_config["model_type"], tensors, dt, where=str(directory))
-  return Model(cfg, graphdef_for(cfg), params, load_tokenizer(directory, hf_config))
+  return Model(cfg, params, load_tokenizer(directory, hf_config))
 
 
 def _tokenizer_saver(tokenizer):

@@ -34,9 +34,9 @@ class Slot:
 
 def plan(cfg: ModelConfig, model_type: str, prefix: str) -> list[Slot]:
   """Every specjax parameter of `cfg`, with its Hugging Face source tensors."""
-  d, v, f = cfg.d_model, cfg.vocab_size, cfg.ff_dim
-  hd = cfg.dim_per_head
-  q_dim, kv_dim = cfg.n_heads * hd, cfg.kv_heads * hd
+  d, v, f = cfg.d_model, cfg.vocab_size, cfg.d_ff
+  hd = cfg.head_dim
+  q_dim, kv_dim = cfg.n_heads * hd, cfg.n_kv_heads * hd
   slots = []
 
   def add(path, layout, *sources):
@@ -242,4 +242,4 @@ def pad_vocab(model: Model, vocab_size: int) -> Model:
   if not cfg.tie_embeddings:
     params["lm_head"]["kernel"] = jnp.pad(params["lm_head"]["kernel"], ((0, 0), (0, extra)))
   new_cfg = dataclasses.replace(cfg, vocab_size=vocab_size)
-  return Model(new_cfg, graphdef_for(new_cfg), params, model.tokenizer)
+  return Model(new_cfg, params, model.tokenizer)
