@@ -2,6 +2,8 @@
 
   python -m experiments.train --config=configs/train.py:target --workdir=/work/runs/target
   python -m experiments.train --config=configs/train.py:draft --workdir=/work/runs/draft
+  python -m experiments.train --config=configs/train.py:eagle --workdir=/work/runs/eagle
+  python -m experiments.train --config=configs/train.py:medusa --workdir=/work/runs/medusa
   python -m experiments.train --config=configs/train.py:tiny --workdir=/tmp/tiny
 
 Any field can be overridden on the command line, e.g. `--config.steps=100`.
@@ -80,6 +82,27 @@ def get_config(arg: str = "target") -> ml_collections.ConfigDict:
     c.eval_every = 250
     c.checkpoint_every = 100
     c.export_dtype = "bfloat16"
+  elif arg in ("eagle", "medusa"):
+    # A head on the frozen shipped target (specjax.train_heads): its features are
+    # computed on the fly, only the head trains.
+    c.head = arg
+    c.teacher = "stdlib-target"
+    c.medusa_heads = 4
+    c.feature_weight = 1.0  # EAGLE: smooth-L1 regression onto the next feature
+    c.distill_weight = 1.0  # soft cross-entropy against the target's T = 1 distribution
+    c.medusa_decay = 0.8  # Medusa: weight of head k is decay^(k-1)
+    c.feature_noise = 0.0  # EAGLE: uniform noise on the input features
+    # ~1.2k tokens/s on one busy CPU core (the target's forward is half the cost).
+    c.batch_size = 8
+    c.steps = 1200 if arg == "eagle" else 600
+    c.warmup_steps = 50
+    c.lr = 3e-3
+    c.weight_decay = 0.0
+    c.log_every = 25
+    c.eval_every = 250
+    c.eval_windows = 32
+    c.checkpoint_every = 100
+    c.export_dtype = "bfloat16"
   elif arg == "tiny":
     # Seconds on a CPU: the specjax sources as corpus, a 300-token BPE, a 2-layer model.
     c.corpus = str(pathlib.Path(specjax.__file__).parent)
@@ -95,5 +118,5 @@ def get_config(arg: str = "target") -> ml_collections.ConfigDict:
     c.eval_windows = 4
     c.checkpoint_every = 10
   else:
-    raise ValueError(f"unknown variant {arg!r}; use target, draft or tiny")
+    raise ValueError(f"unknown variant {arg!r}; use target, draft, eagle, medusa or tiny")
   return c

@@ -16,7 +16,12 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-  train_lib.train(_CONFIG.value, _WORKDIR.value)
+  config = _CONFIG.value
+  if config.get("head"):  # an EAGLE / Medusa head on a frozen target
+    from specjax import train_heads
+    train_heads.train(config, _WORKDIR.value)
+  else:
+    train_lib.train(config, _WORKDIR.value)
 
 
 if __name__ == "__main__":

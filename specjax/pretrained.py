@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from specjax import checkpoint as checkpoint_lib
 from specjax import model as model_lib
 
-KNOWN = ("stdlib-target", "stdlib-draft")
+KNOWN = ("stdlib-target", "stdlib-draft", "stdlib-eagle", "stdlib-medusa")
 ENV_VAR = "SPECJAX_CHECKPOINTS"
 
 
@@ -40,6 +40,18 @@ def _is_hf_dir(path: Path) -> bool:
     return False
 
 
+def _is_head_dir(path: Path) -> bool:
+  from specjax import heads
+  return heads.is_head(path)
+
+
+def _load_dir(path: Path, dtype):
+  if _is_head_dir(path):
+    from specjax import heads
+    return heads.load_head(path, dtype)
+  return checkpoint_lib.load_model(path, dtype)
+
+
 def looks_like_hub_id(name: str) -> bool:
   """'gpt2' or 'org/name': no path syntax beyond one slash, nothing that exists locally.
 
@@ -51,8 +63,12 @@ def looks_like_hub_id(name: str) -> bool:
           and not Path(name).exists())
 
 
-def load_pretrained(name_or_path: str | os.PathLike, dtype=jnp.float32) -> model_lib.Model:
-  """A `Model` with `.tokenizer` set, from a shipped name, a directory or a hub id."""
+def load_pretrained(name_or_path: str | os.PathLike, dtype=jnp.float32):
+  """A `Model` with `.tokenizer` set, from a shipped name, a directory or a hub id.
+
+  A draft-head directory (e.g. 'stdlib-eagle', 'stdlib-medusa') gives a
+  `specjax.heads.Head` instead.
+  """
   name = os.fspath(name_or_path)
   if name in KNOWN:
     path = checkpoints_dir() / name
@@ -60,11 +76,11 @@ def load_pretrained(name_or_path: str | os.PathLike, dtype=jnp.float32) -> model
       raise checkpoint_lib.CheckpointError(
           f"shipped checkpoint {name!r} not found at {path} (set {ENV_VAR} to the folder "
           "that holds it)")
-    return checkpoint_lib.load_model(path, dtype)
+    return _load_dir(path, dtype)
   path = Path(name).expanduser()
   if path.is_dir():
-    if (path / checkpoint_lib.MANIFEST).exists():
-      return checkpoint_lib.load_model(path, dtype)
+    if (path / checkpoint_lib.MANIFEST).exists() or _is_head_dir(path):
+      return _load_dir(path, dtype)
     if _is_hf_dir(path):
       from specjax import hf
       return hf.load_hf_model(name, dtype=dtype)

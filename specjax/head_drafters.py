@@ -1,0 +1,212 @@
+"""Drafters for the learned heads of `specjax.heads`: EAGLE and Medusa.
+
+Both follow the engine's drafter protocol with `uses_features = True`: the round hands
+them the target's last hidden states.
+
+  init(batch, size)                            -> state
+  prefill(params, state, tokens, n, features)  -> state   features [B, P, d] of tokens[:, :P]
+  propose(params, state, tokens, n, key, sampling) -> (ys int32[B, γ], qs [B, γ, V], state)
+  rollback(state, n, features, start)          -> state   features [B, γ+1, d] at positions
+                                                          start[b] .. start[b] + γ
+
+The committed history of row b is tokens[b, :n[b]]; the last of them (n-1) is pending:
+the target has computed features only for positions 0..n-2. Features at positions
+>= n-1 (rejected candidates, or the verify pass's output at the new pending token) are
+zeroed on arrival and never read.
+
+`params` is `Head.draft_params(target)`: the head's own arrays plus the target's frozen
+embedding / final norm / LM head. q is the processed distribution each y was drawn from
+(`process_logits` with the round's settings, or one-hot for sample_mode='greedy').
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from specjax import heads as heads_lib
+from specjax import kv_cache
+from specjax.sampling import process_logits, sample
+
+SAMPLE_MODES = ("probabilistic", "greedy")
+
+
+def _adjust(sampling, logits, history):
+  """History-dependent processors (penalties...), where the sampling settings have them."""
+  adjust = getattr(sampling, "adjust", None)
+  return logits if adjust is None else adjust(logits, history)
+
+
+def _advance(sampling, history, y):
+  advance = getattr(sampling, "advance", None)
+  return history if advance is None else advance(history, y)
+
+
+def draw(sample_mode: str, key, logits, sampling, history=None):
+  """(y, q): y ~ q = the processed distribution of `logits` [B, V]; argmax at T = 0.
+
+  Like `ModelDrafter._draw`: processors see `history` (committed prefix + earlier drafts).
+  """
+  logits = _adjust(sampling, logits, history)
+
+  def argmax():
+    y = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return y, jax.nn.one_hot(y, logits.shape[-1], dtype=jnp.float32)
+
+  def drawn():
+    q = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+    return sample(key, q), q
+
+  if sample_mode == "greedy":
+    return argmax()
+  # At temperature 0 q is the one-hot argmax: skip the random numbers a draw costs.
+  return jax.lax.cond(jnp.all(sampling.temperature <= 0), argmax, drawn)
+
+
+def _known(features, positions, n):
+  """features [B, T, d] at positions int[B, T], zeroed where the position is >= n - 1."""
+  keep = positions <= (n - 2)[:, None]
+  return jnp.where(keep[..., None], features, 0.0).astype(jnp.float32)
+
+
+def _check(config: heads_lib.HeadConfig, kind: str, gamma: int, sample_mode: str):
+  if config.kind != kind:
+    raise ValueError(f"a {kind} drafter needs a {kind} HeadConfig, got {config.kind!r}")
+  if not isinstance(gamma, int) or gamma < 1:
+    raise ValueError(f"gamma must be a positive int, got {gamma!r}")
+  if sample_mode not in SAMPLE_MODES:
+    raise ValueError(f"sample_mode must be one of {SAMPLE_MODES}, got {sample_mode!r}")
+
+
+@flax.struct.dataclass
+class EagleState:
+  kv: kv_cache.KVState  # the head's one-layer cache; length = slots fed with true features
+  feats: jax.Array  # float32[B, γ+1, d]: true features at positions kv.length.., not yet fed
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleDrafter:
+  """EAGLE: slot t reads (f_t, x_{t+1}) and predicts f_{t+1}, hence x_{t+2}.
+
+  Invariant between rounds: the head's cache holds slots 0..L-1 (L = kv.length) built
+  from the target's true features, and `feats` holds the true features of positions
+  L..L+γ (zero where unknown). `propose` first feeds those γ+1 slots in one chunk (one
+  static shape; slots past n-2 are masked garbage) and reads the output at slot n-2,
+  which drafts y_1 = x_n; then γ-1 single-slot steps feed (predicted f, drafted y).
+  `rollback` drops every slot built on a predicted feature (kv.length = start) and keeps
+  the verify pass's true features of start..n-2 for the next chunk.
+  """
+
+  config: heads_lib.HeadConfig
+  gamma: int
+  sample_mode: str = "probabilistic"
+  uses_features = True
+
+  def __post_init__(self):
+    _check(self.config, "eagle", self.gamma, self.sample_mode)
+
+  def init(self, batch, size):
+    kv = kv_cache.init_kv(self.config.layer_config, batch, size)
+    feats = jnp.zeros((batch, self.gamma + 1, self.config.target.d_model), jnp.float32)
+    return EagleState(kv=kv, feats=feats)
+
+  def prefill(self, params, state, tokens, n, features):
+    b, p = features.shape[:2]
+    pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    known = _known(features, pos, n)
+    next_tokens = jnp.take_along_axis(tokens, pos + 1, axis=1, mode="clip")
+    _, _, kv = heads_lib.eagle_apply(self.config, params, known, next_tokens, state.kv,
+                                     empty=True)
+    # Slots 0..n-3 stay; slot n-2 (the newest true feature) is fed by the first propose.
+    start = jnp.maximum(n - 2, 0)
+    idx = start[:, None] + jnp.arange(self.gamma + 1, dtype=jnp.int32)[None, :]
+    feats = jnp.take_along_axis(known, jnp.minimum(idx, p - 1)[..., None], axis=1)
+    feats = jnp.where((idx < p)[..., None], feats, 0.0)
+    return EagleState(kv=kv.rollback(start), feats=feats)
+
+  def propose(self, params, state, tokens, n, key, sampling):
+    kv, c = state.kv, self.gamma + 1
+    start = kv.length
+    pos = start[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]
+    next_tokens = jnp.take_along_axis(tokens, pos + 1, axis=1, mode="clip")
+    x, logits, kv = heads_lib.eagle_apply(self.config, params, state.feats, next_tokens, kv)
+    last = jnp.clip(n - 2 - start, 0, c - 1)[:, None, None]
+    x = jnp.take_along_axis(x, last, axis=1)  # [B, 1, d]: predicted f_{n-1}
+    logits = jnp.take_along_axis(logits, last, axis=1)[:, 0]
+    kv = kv.rollback(jnp.maximum(n - 1, 0))  # true slots 0..n-2
+
+    def step(carry, step_key):
+      x, logits, kv, history = carry
+      y, q = draw(self.sample_mode, step_key, logits, sampling, history)
+      x, logits, kv = heads_lib.eagle_apply(self.config, params, x, y[:, None], kv)
+      return (x, logits[:, 0], kv, _advance(sampling, history, y)), (y, q)
+
+    keys = jax.random.split(key, self.gamma)
+    history = getattr(sampling, "history", None)
+    (x, logits, kv, history), (ys, qs) = jax.lax.scan(step, (x, logits, kv, history),
+                                                      keys[:-1])
+    y_last, q_last = draw(self.sample_mode, keys[-1], logits, sampling, history)
+    ys = jnp.concatenate([ys, y_last[None]], axis=0).swapaxes(0, 1)  # [B, γ]
+    qs = jnp.concatenate([qs, q_last[None]], axis=0).swapaxes(0, 1)  # [B, γ, V]
+    return ys, qs, state.replace(kv=kv)
+
+  def rollback(self, state, n, features, start):
+    pos = start[:, None] + jnp.arange(features.shape[1], dtype=jnp.int32)[None, :]
+    kv = state.kv.rollback(jnp.minimum(state.kv.length, start))
+    return EagleState(kv=kv, feats=_known(features, pos, n))
+
+
+@flax.struct.dataclass
+class MedusaState:
+  feature: jax.Array  # float32[B, d]: the target's feature at position n-2 (zero if n < 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class MedusaDrafter:
+  """Medusa: y_k ~ q_k = processed head-k distribution on f_{n-2}, for k = 1..γ (γ <= K).
+
+  f_{n-2} predicts x_{n-1} (the pending token) through the target's own LM head, so head
+  k, trained to predict x_{t+k+1} from f_t, drafts x_{n-1+k} = y_k. Each q_k depends on
+  the committed history only (see `specjax.heads` for why the rule stays exact).
+  """
+
+  config: heads_lib.HeadConfig
+  gamma: int
+  sample_mode: str = "probabilistic"
+  uses_features = True
+
+  def __post_init__(self):
+    _check(self.config, "medusa", self.gamma, self.sample_mode)
+    if self.gamma > self.config.medusa_heads:
+      raise ValueError(f"Medusa with {self.config.medusa_heads} heads drafts at most that "
+                       f"many tokens; got gamma={self.gamma}")
+
+  def init(self, batch, size):
+    return MedusaState(feature=jnp.zeros((batch, self.config.target.d_model), jnp.float32))
+
+  def _take(self, features, index):
+    idx = jnp.clip(index, 0, features.shape[1] - 1)[:, None, None]
+    return jnp.take_along_axis(features, idx, axis=1)[:, 0].astype(jnp.float32)
+
+  def prefill(self, params, state, tokens, n, features):
+    return MedusaState(feature=jnp.where((n >= 2)[:, None], self._take(features, n - 2), 0.0))
+
+  def propose(self, params, state, tokens, n, key, sampling):
+    logits = heads_lib.medusa_apply(self.config, params, state.feature)
+    history = getattr(sampling, "history", None)
+    ys, qs = [], []
+    for k, k_key in enumerate(jax.random.split(key, self.gamma)):
+      # Only history-dependent processors (if any) make q_k depend on y_1..y_{k-1}.
+      y, q = draw(self.sample_mode, k_key, logits[:, k], sampling, history)
+      history = _advance(sampling, history, y)
+      ys.append(y)
+      qs.append(q)
+    return jnp.stack(ys, axis=1), jnp.stack(qs, axis=1), state
+
+  def rollback(self, state, n, features, start):
+    index = n - 2 - start  # >= 0 whenever the row committed a token this round
+    new = self._take(features, index)
+    return MedusaState(feature=jnp.where((index >= 0)[:, None], new, state.feature))

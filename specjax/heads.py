@@ -1,0 +1,333 @@
+"""Learned draft heads that read the target's own features: EAGLE and Medusa.
+
+Both heads reuse the target's frozen token embedding, final norm and LM head (never
+copied: the draft params hold references to the target's arrays) and add a little of
+their own on top of the target's last hidden state `f` (the residual stream after the
+last block, before the final norm; `model.forward(..., hidden=True)`):
+
+- **EAGLE** (Li et al., 2024): slot t fuses [f_t, embed(x_{t+1})] (each normalised
+  first) with a Linear 2d -> d, runs ONE decoder layer (`model.Block`, with the head's
+  own one-layer KV cache) and predicts f_{t+1}; the target's final norm + LM head turn
+  that into logits for x_{t+2}. Drafting feeds the predicted feature back in with the
+  drafted token.
+- **Medusa** (Cai et al., 2024): K residual blocks h + SiLU(W h) on f_t, each followed by
+  the target's final norm + LM head; head k predicts x_{t+k+1} (k = 1..K), all from the
+  same committed feature, with no dependence on the other drafted tokens.
+
+Medusa is still exact with the standard accept/resample rule. Its y_k is drawn from
+q_k = the processed head-k distribution, which depends only on the committed history
+and not on y_1..y_{k-1}. Conditional on everything before position k (the committed
+prefix and y_{<k}), y_k is therefore distributed as q_k, and the rule's proof at
+position k needs nothing else: accept with min(1, p_k/q_k), else resample the residual.
+
+`Head` bundles a trained head with the fingerprint of the target it was trained on.
+`specjax.head_drafters` turns a head into a drafter for the decode loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax import checkpoint as checkpoint_lib
+from specjax import kv_cache
+from specjax import model as model_lib
+from specjax.config import ModelConfig
+
+KINDS = ("eagle", "medusa")
+# The target's own (frozen) parameters a head reads, under the target's names.
+SHARED = ("embed", "final_norm", "lm_head")
+FORMAT = "specjax-head"
+VERSION = 1
+MANIFEST = "head.json"
+PARAMS = "params.npz"
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadConfig:
+  """What a head is: its kind, the target architecture it sits on, Medusa's head count."""
+
+  kind: str
+  target: ModelConfig
+  medusa_heads: int = 4
+
+  def __post_init__(self):
+    if self.kind not in KINDS:
+      raise ValueError(f"HeadConfig.kind must be one of {KINDS}, got {self.kind!r}")
+    if not isinstance(self.medusa_heads, int) or self.medusa_heads < 1:
+      raise ValueError(f"HeadConfig.medusa_heads must be a positive int, got {self.medusa_heads!r}")
+
+  @property
+  def layer_config(self) -> ModelConfig:
+    """The EAGLE decoder layer: the target's block architecture, one layer deep."""
+    return dataclasses.replace(self.target, n_layers=1)
+
+  def to_dict(self) -> dict[str, Any]:
+    return {"kind": self.kind, "medusa_heads": self.medusa_heads,
+            "target": self.target.to_dict()}
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> "HeadConfig":
+    return cls(kind=d["kind"], target=ModelConfig.from_dict(d["target"]),
+               medusa_heads=int(d.get("medusa_heads", 4)))
+
+
+class _Readout(nnx.Module):
+  """The target's frozen pieces, named as in `model.Transformer` so its arrays drop in."""
+
+  def _init_shared(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.tie = cfg.tie_embeddings
+    self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs)
+    self.final_norm = model_lib._norm(cfg, rngs)
+    if not cfg.tie_embeddings:
+      self.lm_head = model_lib._dense(rngs, cfg.d_model, cfg.vocab_size, False, 0.02)
+
+  def readout(self, x):
+    """Features [..., d] -> float32 logits [..., V], exactly as the target computes them."""
+    x = self.final_norm(x)
+    logits = self.embed.attend(x) if self.tie else self.lm_head(x)
+    return logits.astype(jnp.float32)
+
+
+class EagleHead(_Readout):
+
+  def __init__(self, hc: HeadConfig, rngs: nnx.Rngs):
+    d = hc.target.d_model
+    self._init_shared(hc.target, rngs)
+    # The target's features (rms ~3 on stdlib-target) and its embeddings (rms ~0.07) are
+    # normalised before they are fused, so neither half starts 50x too weak to learn from.
+    self.feature_norm = model_lib._norm(hc.target, rngs)
+    self.token_norm = model_lib._norm(hc.target, rngs)
+    self.fuse = nnx.Linear(2 * d, d, use_bias=True, rngs=rngs,
+                           kernel_init=nnx.initializers.normal(0.02))
+    self.layer = model_lib.Block(hc.layer_config, rngs)
+
+  def __call__(self, features, next_tokens, positions, cache=None, read_cache=True):
+    """features [B, T, d] (f_t), next_tokens int[B, T] (x_{t+1}), positions int[B, T]
+
+    -> (predicted f_{t+1} [B, T, d], logits for x_{t+2} [B, T, V], new (k, v) or None).
+    """
+    x = jnp.concatenate([self.feature_norm(features.astype(self.embed.embedding.dtype)),
+                         self.token_norm(self.embed(next_tokens))], axis=-1)
+    x, cache = self.layer(self.fuse(x), positions, cache, read_cache)
+    return x, self.readout(x), cache
+
+
+class MedusaHead(_Readout):
+
+  def __init__(self, hc: HeadConfig, rngs: nnx.Rngs):
+    d = hc.target.d_model
+    self._init_shared(hc.target, rngs)
+    # Zero init: every head starts as the target's own next-token prediction.
+    self.heads = nnx.List([
+        nnx.Linear(d, d, use_bias=True, rngs=rngs, kernel_init=nnx.initializers.zeros)
+        for _ in range(hc.medusa_heads)])
+
+  def __call__(self, features):
+    """features [..., d] (f_t) -> logits [..., K, V]; head k (index k-1) is for x_{t+k+1}."""
+    h = jnp.stack([features + jax.nn.silu(head(features)) for head in self.heads], axis=-2)
+    return self.readout(h)
+
+
+_MODULES = {"eagle": EagleHead, "medusa": MedusaHead}
+
+
+@functools.lru_cache(maxsize=None)
+def graphdef_for(hc: HeadConfig):
+  abstract = nnx.eval_shape(lambda: _MODULES[hc.kind](hc, nnx.Rngs(0)))
+  return nnx.split(abstract)[0]
+
+
+def init_params(hc: HeadConfig, seed: int = 0) -> dict:
+  """Fresh parameters of the head's own layers (the shared target pieces left out)."""
+  module = _MODULES[hc.kind](hc, nnx.Rngs(seed))
+  params = nnx.to_pure_dict(nnx.state(module))
+  return {k: v for k, v in params.items() if k not in SHARED}
+
+
+def shared_params(target_params) -> dict:
+  """The target's embedding, final norm and (untied) LM head: references, not copies."""
+  return {k: target_params[k] for k in SHARED if k in target_params}
+
+
+def eagle_apply(hc: HeadConfig, params, features, next_tokens, kv=None, empty=False):
+  """Runs the EAGLE head on T slots; with `kv`, at each row's own `kv.length`.
+
+  Returns (predicted features [B, T, d], logits float32[B, T, V], kv + T or None).
+  Without a cache the slots are positions 0..T-1, attended causally (training).
+  """
+  module = nnx.merge(graphdef_for(hc), params)
+  b, t = next_tokens.shape
+  start = jnp.zeros((b,), jnp.int32) if kv is None else kv.length
+  positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+  cache = None if kv is None else (kv.k[0], kv.v[0], kv.length)
+  x, logits, new = module(features, next_tokens, positions, cache, read_cache=not empty)
+  if kv is not None:
+    kv = kv.replace(k=(new[0],), v=(new[1],), length=kv.length + t)
+  return x, logits, kv
+
+
+def medusa_apply(hc: HeadConfig, params, features):
+  """features [..., d] -> logits float32[..., K, V] (head k at index k-1 predicts t+k+1)."""
+  return nnx.merge(graphdef_for(hc), params)(features)
+
+
+# ----------------------------------------------------------------------------------
+# Which target a head belongs to.
+
+
+def _config_fields(cfg: ModelConfig) -> dict[str, Any]:
+  """Fields that differ from their defaults: fields added later do not change a print."""
+  out = {}
+  for f in dataclasses.fields(cfg):
+    value = getattr(cfg, f.name)
+    if value != f.default:
+      out[f.name] = list(map(list, value)) if f.name == "rope_scaling" else value
+  return out
+
+
+def target_fingerprint(config: ModelConfig, params) -> str:
+  """A short hash of a target's architecture and a few of its weights.
+
+  The weights hashed are the embedding, final norm, LM head and the last block, rounded
+  to bfloat16 first, so a float32 target and its bfloat16 export print the same.
+  """
+  h = hashlib.sha256(json.dumps(_config_fields(config), sort_keys=True).encode())
+  last = f"blocks/{config.n_layers - 1}/"
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    key = checkpoint_lib._key(path)
+    if key.split("/")[0] in SHARED or key.startswith(last):
+      arr = np.asarray(jax.device_get(leaf), np.float32).astype(jnp.bfloat16)
+      h.update(key.encode())
+      h.update(arr.view(np.uint16).tobytes())
+  return h.hexdigest()[:20]
+
+
+class Head:
+  """A trained head: config, its own params, and the fingerprint of its target.
+
+  Like `model.Model`, not a pytree: jitted code gets `draft_params(target)` and the
+  drafter (a frozen dataclass, static).
+  """
+
+  def __init__(self, config: HeadConfig, params, target_fingerprint: str,
+               metadata: dict[str, Any] | None = None):
+    self.config = config
+    self.params = params
+    self.target_fingerprint = target_fingerprint
+    self.metadata = dict(metadata or {})
+
+  @property
+  def kind(self) -> str:
+    return self.config.kind
+
+  @property
+  def num_params(self) -> int:
+    return model_lib.count_params(self.params)
+
+  def drafter(self, gamma: int, sample_mode: str = "probabilistic"):
+    from specjax import head_drafters
+    cls = head_drafters.EagleDrafter if self.kind == "eagle" else head_drafters.MedusaDrafter
+    return cls(self.config, gamma, sample_mode)
+
+  def check_target(self, target) -> None:
+    """Raises ValueError naming what differs between `target` (a Model) and the head's."""
+    want, got = self.config.target, target.config
+    for name in ("d_model", "vocab_size"):
+      if getattr(want, name) != getattr(got, name):
+        raise ValueError(f"{self.kind} head was trained for a target with {name} "
+                         f"{getattr(want, name)}; this target has {getattr(got, name)}")
+    diff = sorted(k for k in set(_config_fields(want)) | set(_config_fields(got))
+                  if getattr(want, k, None) != getattr(got, k, None))
+    if diff:
+      raise ValueError(f"{self.kind} head was trained for a different target architecture "
+                       f"(differs in {', '.join(diff)})")
+    print_ = target_fingerprint(got, target.params)
+    if print_ != self.target_fingerprint:
+      raise ValueError(f"{self.kind} head was trained for target fingerprint "
+                       f"{self.target_fingerprint}; this target's weights give {print_}")
+
+  def draft_params(self, target, check: bool = True) -> dict:
+    """The drafter's params: the head's own + the target's frozen embedding/norm/head."""
+    if check:
+      self.check_target(target)
+    return {**self.params, **shared_params(target.params)}
+
+  def __repr__(self):
+    return (f"Head({self.kind}, d_model={self.config.target.d_model}, "
+            f"params={self.num_params:,}, target={self.target_fingerprint})")
+
+
+# ----------------------------------------------------------------------------------
+# On disk: DIR/head.json (config, fingerprint, shapes, SHA-256 of params.npz) + params.npz,
+# in the layout of `specjax.checkpoint` (bfloat16 kept as uint16 bit patterns).
+
+
+def is_head(path: str | os.PathLike) -> bool:
+  return (Path(path) / MANIFEST).is_file()
+
+
+def save_head(path: str | os.PathLike, head: Head, dtype=None) -> Path:
+  path = Path(path)
+  path.mkdir(parents=True, exist_ok=True)
+  arrays, specs = {}, {}
+  for p, leaf in jax.tree_util.tree_flatten_with_path(head.params)[0]:
+    arr = np.asarray(jax.device_get(leaf))
+    if dtype is not None and jnp.issubdtype(arr.dtype, jnp.floating):
+      arr = arr.astype(jnp.dtype(dtype))
+    key = checkpoint_lib._key(p)
+    specs[key] = {"shape": list(arr.shape), "dtype": str(arr.dtype)}
+    arrays[key] = arr.view(f"u{arr.itemsize}") if arr.dtype.kind == "V" else arr
+  buffer = io.BytesIO()
+  np.savez(buffer, **arrays)
+  blob = buffer.getvalue()
+  checkpoint_lib._atomic_write(path / PARAMS, blob)
+  manifest = {"format": FORMAT, "version": VERSION, "config": head.config.to_dict(),
+              "target_fingerprint": head.target_fingerprint, "params": specs,
+              "params_sha256": hashlib.sha256(blob).hexdigest(),
+              "num_params": head.num_params, "metadata": head.metadata}
+  checkpoint_lib._atomic_write(path / MANIFEST,
+                               json.dumps(manifest, indent=2, sort_keys=True).encode())
+  return path
+
+
+def load_head(path: str | os.PathLike, dtype=jnp.float32) -> Head:
+  path = Path(path)
+  err = checkpoint_lib.CheckpointError
+  try:
+    manifest = json.loads((path / MANIFEST).read_text())
+  except (ValueError, OSError) as e:
+    raise err(f"head manifest {path / MANIFEST} is missing or unreadable: {e}") from e
+  if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+    raise err(f"{path / MANIFEST} is not a {FORMAT} v{VERSION} manifest")
+  hc = HeadConfig.from_dict(manifest["config"])
+  blob = (path / PARAMS).read_bytes() if (path / PARAMS).is_file() else b""
+  if hashlib.sha256(blob).hexdigest() != manifest["params_sha256"]:
+    raise err(f"head file {path / PARAMS} is missing, truncated or corrupt")
+  stored = np.load(io.BytesIO(blob), allow_pickle=False)
+  reference = jax.eval_shape(lambda: init_params(hc))
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(reference)
+  out = []
+  for p, ref in leaves:
+    key = checkpoint_lib._key(p)
+    if key not in stored.files:
+      raise err(f"head {path} is missing parameter {key}")
+    arr = stored[key].view(np.dtype(jnp.dtype(manifest["params"][key]["dtype"])))
+    if arr.shape != ref.shape:
+      raise err(f"head {path}: {key} has shape {arr.shape}, config needs {ref.shape}")
+    if dtype is not None and jnp.issubdtype(arr.dtype, jnp.floating):
+      arr = arr.astype(jnp.dtype(dtype))
+    out.append(jnp.asarray(arr))
+  return Head(hc, jax.tree_util.tree_unflatten(treedef, [x for x in out]),
+              manifest["target_fingerprint"], manifest.get("metadata"))
