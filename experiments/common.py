@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 
+import jax.numpy as jnp
 import numpy as np
 
 import specjax
@@ -13,9 +14,9 @@ from specjax import generation
 from specjax.pretrained import load_pretrained
 
 
-def load_pair(target_name: str, draft_name: str | None):
-  target = load_pretrained(target_name)
-  draft = load_pretrained(draft_name) if draft_name else None
+def load_pair(target_name: str, draft_name: str | None, dtype=jnp.float32):
+  target = load_pretrained(target_name, dtype=dtype)
+  draft = load_pretrained(draft_name, dtype=dtype) if draft_name else None
   if draft is not None and draft.config.vocab_size < target.config.vocab_size:
     # Same tokenizer, fewer embedding rows (Qwen2.5-0.5B vs 7B): zero rows never win.
     from specjax import hf

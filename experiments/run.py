@@ -79,8 +79,16 @@ def read_rows(path: Path) -> list[dict]:
   return rows
 
 
-def run_sweep(cfg, workdir: str | Path, progress: bool = True) -> list[dict]:
-  """Runs every grid point not yet in results.jsonl; returns all rows."""
+def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
+              prompts=None, mesh=None) -> list[dict]:
+  """Runs every grid point not yet in results.jsonl; returns all rows.
+
+  models: (target, draft) already loaded (say in bfloat16, or sharded) instead of
+    loading cfg.target / cfg.draft by name; draft may be None without a 'model' drafter.
+  prompts: token-id lists instead of held-out windows of cfg.corpus (say chat prompts,
+    `experiments.prompts.select`); cfg.num_prompts and cfg.prompt_tokens are then unused.
+  mesh: passed to every `specjax.generate` call (a target placed by `specjax.shard`).
+  """
   validate(cfg)
   workdir = Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
@@ -96,14 +104,23 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True) -> list[dict]:
     plots.write_report(rows, workdir)
     return rows
 
-  target, draft = common.load_pair(cfg.target, cfg.draft if "model" in cfg.drafter else None)
-  if target.tokenizer is None:
-    raise ValueError(f"target {cfg.target!r} has no tokenizer: prompts come from text")
-  prompts = common.heldout_prompts(target.tokenizer, cfg.corpus, cfg.num_prompts,
-                                   cfg.prompt_tokens, seed=cfg.seed)
-  context = cfg.prompt_tokens + cfg.max_new_tokens // 2
+  if models is not None:
+    target, draft = models
+  else:
+    target, draft = common.load_pair(cfg.target,
+                                     cfg.draft if "model" in cfg.drafter else None)
+  if prompts is None:
+    if target.tokenizer is None:
+      raise ValueError(f"target {cfg.target!r} has no tokenizer: prompts come from text")
+    prompts = common.heldout_prompts(target.tokenizer, cfg.corpus, cfg.num_prompts,
+                                     cfg.prompt_tokens, seed=cfg.seed)
+  if not prompts:
+    raise ValueError("no prompts")
+  context = max(len(p) for p in prompts) + cfg.max_new_tokens // 2
   base = dict(max_new_tokens=cfg.max_new_tokens, top_k=cfg.top_k, seed=cfg.seed,
               eos_id=target.tokenizer.eos_id if cfg.stop_at_eos else None)
+  if mesh is not None:
+    base["mesh"] = mesh
   step_costs = {}
   machine = costs.machine_info()
 

@@ -238,6 +238,26 @@ def test_other_checkpoint_layouts(checkpoints, tmp_path):
                               _torch_logits(ref, tokens), atol=ATOL, rtol=0)
 
 
+def test_bfloat16_safetensors(tmp_path):
+  """Llama 3.x and Qwen checkpoints store bfloat16, which safetensors' numpy reader lacks."""
+  ref = _perturb_(transformers.AutoModelForCausalLM.from_config(HF_CONFIGS["qwen3"]()), seed=7)
+  ref.to(torch.bfloat16).save_pretrained(tmp_path)
+  from safetensors import safe_open
+  with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+    assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+  # The stored values in float32 (a fresh load: `.float()` would keep bfloat16 RoPE buffers).
+  ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+  model = hf.load_hf_model(tmp_path)
+  tokens = _tokens(64, (2, 9))
+  chex.assert_trees_all_close(np.asarray(model.logits(tokens)), _torch_logits(ref, tokens),
+                              atol=ATOL, rtol=0)
+  half = hf.load_hf_model(tmp_path, dtype=jax.numpy.bfloat16)
+  dtypes = {x.dtype for x in jax.tree_util.tree_leaves(half.params)}
+  assert dtypes == {np.dtype(jax.numpy.bfloat16)}
+  chex.assert_trees_all_equal(
+      jax.tree_util.tree_map(lambda x: x.astype(np.float32), half.params), model.params)
+
+
 def _perturbed_init(cfg, seed):
   """A random specjax model whose biases and norm scales are not 0 and 1."""
   model = init_model(cfg, seed)

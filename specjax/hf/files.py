@@ -28,6 +28,7 @@ class CheckpointTensors:
   def __init__(self, directory: Path):
     self._file_of: dict[str, Path] = {}
     self._shapes: dict[str, tuple[int, ...]] = {}
+    self._bf16: set[str] = set()  # safetensors' numpy reader has no bfloat16
     self._torch_state = None
     if (directory / "model.safetensors").is_file():
       self._read_safetensors([directory / "model.safetensors"])
@@ -62,6 +63,8 @@ class CheckpointTensors:
         for name in f.keys():
           self._file_of[name] = path
           self._shapes[name] = tuple(f.get_slice(name).get_shape())
+          if f.get_slice(name).get_dtype() == "BF16":
+            self._bf16.add(name)
 
   def _read_torch(self, files: list[Path]):
     try:
@@ -88,9 +91,30 @@ class CheckpointTensors:
       if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16 of its own
         tensor = tensor.float()
       return tensor.numpy()
+    if name in self._bf16:
+      return _read_bf16(self._file_of[name], name)
     from safetensors import safe_open
     with safe_open(str(self._file_of[name]), framework="numpy") as f:
       return f.get_tensor(name)
+
+
+def _read_bf16(path: Path, name: str) -> np.ndarray:
+  """One bfloat16 tensor of a safetensors file, as ml_dtypes.bfloat16 (what jax uses).
+
+  The format: an 8-byte little-endian header length, a JSON header giving each tensor's
+  dtype, shape and byte range after the header, then the data.
+  """
+  import ml_dtypes
+  with open(path, "rb") as f:
+    header_len = int.from_bytes(f.read(8), "little")
+    info = json.loads(f.read(header_len))[name]
+  start, end = info["data_offsets"]
+  shape = tuple(info["shape"])
+  count = (end - start) // 2
+  if count != int(np.prod(shape)):
+    raise ValueError(f"{path}: tensor {name!r} has {end - start} bytes for shape {shape}")
+  return np.fromfile(path, dtype=ml_dtypes.bfloat16, count=count,
+                     offset=8 + header_len + start).reshape(shape)
 
 
 def resolve(path_or_id: str | os.PathLike) -> Path:

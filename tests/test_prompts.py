@@ -1,0 +1,81 @@
+"""experiments/prompts.py: Spec-Bench questions or the built-in list, chat templates, buckets."""
+
+import json
+
+import pytest
+
+from experiments import prompts
+
+
+class CharTokenizer:
+  """One token per character: lengths are easy to reason about."""
+
+  def encode(self, text):
+    return [ord(c) % 97 for c in text]
+
+
+def _spec_bench_file(path, n=6):
+  categories = ["writing", "math", "translation"]
+  lines = [json.dumps({"question_id": i, "category": categories[i % 3],
+                       "turns": ["q" * (10 + 20 * (i % 2)) + str(i), "a second turn"]})
+           for i in range(n)]
+  lines.insert(2, "")  # blank lines are skipped
+  path.write_text("\n".join(lines) + "\n")
+  return path
+
+
+def test_questions_from_a_spec_bench_file(tmp_path):
+  path = _spec_bench_file(tmp_path / "question.jsonl")
+  questions, source = prompts.load_questions(path.as_uri())
+  assert source.startswith("Spec-Bench (6 questions")
+  assert [q["id"] for q in questions] == list(range(6))
+  assert questions[1] == {"id": 1, "category": "math", "text": "q" * 30 + "1"}  # first turn
+
+
+@pytest.mark.parametrize("url", [None, "", "file:///no/such/question.jsonl"])
+def test_no_file_or_no_url_gives_the_builtin_prompts(url):
+  questions, source = prompts.load_questions(url)
+  assert source.startswith("built-in")
+  assert len(questions) == len(prompts.BUILTIN) >= 10
+  assert len({q["category"] for q in questions}) >= 8
+
+
+def test_a_file_without_questions_gives_the_builtin_prompts(tmp_path):
+  path = tmp_path / "question.jsonl"
+  path.write_text(json.dumps({"question_id": 1, "turns": []}) + "\n")
+  questions, source = prompts.load_questions(path.as_uri())
+  assert source.startswith("built-in (ValueError")
+
+
+def test_select_takes_one_bucket_with_categories_interleaved(tmp_path):
+  questions, _ = prompts.load_questions(_spec_bench_file(tmp_path / "q.jsonl", n=12).as_uri())
+  ids, chosen = prompts.select(questions, CharTokenizer(), "plain", 4, max_tokens=200)
+  lengths = [len(p) for p in ids]
+  # 'Question: ' + text + '\n\nAnswer:' is 19 + 11 or 19 + 31 characters: buckets 32, 64.
+  assert len({-(-n // 16) for n in lengths}) == 1
+  assert len({q["category"] for q in chosen}) == 3
+  assert all(q["prompt"].startswith("Question: q") and "ids" not in q for q in chosen)
+  assert ids[0] == CharTokenizer().encode(chosen[0]["prompt"])
+
+
+def test_select_fills_from_other_buckets_then_repeats(tmp_path):
+  questions, _ = prompts.load_questions(_spec_bench_file(tmp_path / "q.jsonl", n=3).as_uri())
+  ids, chosen = prompts.select(questions, CharTokenizer(), "plain", 5, max_tokens=200)
+  assert [q["id"] for q in chosen] == [0, 2, 1, 0, 2]  # the fuller bucket (0, 2) first
+  ids, chosen = prompts.select(questions, CharTokenizer(), "plain", 2, max_tokens=40)
+  assert [q["id"] for q in chosen] == [0, 2]  # the longer one does not fit
+
+
+def test_select_refuses_what_cannot_work():
+  questions = prompts.builtin_questions()
+  with pytest.raises(ValueError, match="unknown template"):
+    prompts.select(questions, CharTokenizer(), "vicuna", 2, max_tokens=100)
+  with pytest.raises(ValueError, match="fits in 10 tokens"):
+    prompts.select(questions, CharTokenizer(), "plain", 2, max_tokens=10)
+
+
+def test_every_pair_has_a_template():
+  from configs import sweep
+  for variant in (*sweep.HUB_PAIRS, "gpt2"):
+    assert prompts.PAIR_TEMPLATES[variant] in prompts.TEMPLATES
+  assert all("{q}" in t for t in prompts.TEMPLATES.values())
