@@ -4,6 +4,8 @@ from specjax.config import ModelConfig
 from specjax.generation import GenerateResult, generate
 from specjax.model import Model, init_model
 from specjax.pretrained import load_pretrained
+from specjax.quantization import quantize
+from specjax.sharding import shard
 
 __all__ = ["GenerateResult", "constraints", "Model", "ModelConfig", "generate", "init_model",
-           "load_pretrained"]
+           "load_pretrained", "quantize", "shard"]

@@ -79,6 +79,12 @@ class ModelConfig:
   mlp_bias: bool = True
   tie_embeddings: bool = True
   qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
+  # Layout of the fused kernels' output axis: qkv_groups consecutive groups [q | k | v]
+  # of n_heads/G and n_kv_heads/G heads each, and (SwiGLU) mlp_groups groups [gate | up]
+  # of d_ff/G units each. 1 is the usual layout; `specjax.shard` sets them to the
+  # tensor-parallel degree, so that each device's contiguous slice holds whole heads.
+  qkv_groups: int = 1
+  mlp_groups: int = 1
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_len"):
@@ -104,6 +110,16 @@ class ModelConfig:
     if self.n_heads % self.n_kv_heads:
       raise ValueError(
           f"ModelConfig.n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
+    for name in ("qkv_groups", "mlp_groups"):
+      g = getattr(self, name)
+      if not isinstance(g, int) or isinstance(g, bool) or g < 1:
+        raise ValueError(f"ModelConfig.{name} must be a positive int, got {g!r}")
+    if self.n_kv_heads % self.qkv_groups:  # n_heads is a multiple of n_kv_heads
+      raise ValueError(f"ModelConfig.qkv_groups={self.qkv_groups} must divide "
+                       f"n_kv_heads={self.n_kv_heads}")
+    if self.mlp_groups > 1 and (self.mlp != "swiglu" or self.d_ff % self.mlp_groups):
+      raise ValueError(f"ModelConfig.mlp_groups={self.mlp_groups} needs mlp='swiglu' and a "
+                       f"d_ff divisible by it, got mlp={self.mlp!r}, d_ff={self.d_ff}")
     if self.position == "rope" and self.head_dim % 2:
       raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
     if self.rope_scaling is not None:

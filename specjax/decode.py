@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from specjax import kv_cache
 from specjax import model as model_lib
 from specjax import processors
+from specjax import sharding
 from specjax.config import ModelConfig
 from specjax.sampling import Sampling
 from specjax.verify import ExactRule
@@ -41,6 +42,9 @@ class Engine:
   target: ModelConfig
   drafter: Any  # a drafter from `specjax.drafters` (frozen dataclass)
   rule: Any = ExactRule()  # a verify rule from `specjax.verify` (frozen dataclass)
+  # The jax Mesh ('data', 'model') the state is laid out on (`specjax.sharding`); None:
+  # wherever the inputs are (one device), and no constraint is traced.
+  mesh: Any = None
 
   @property
   def gamma(self) -> int:
@@ -228,7 +232,8 @@ def prefill(engine: Engine, weights: Weights, tokens, prompt_len, prompt_width, 
   """Builds both caches from the prompts; the last prompt token stays pending."""
   batch = tokens.shape[0]
   head = tokens[:, :prompt_width]
-  target_kv = kv_cache.init_kv(engine.target, batch, cache_size)
+  target_kv = kv_cache.init_kv(engine.target, batch, cache_size,
+                              model_lib.compute_dtype(weights.target))
   _, target_kv, features = _target_pass(engine, weights.target, head, target_kv, empty=True)
   draft_state = engine.drafter.init(batch, cache_size)
   draft_state = engine.drafter.prefill(weights.draft, draft_state, head, prompt_len, features)
@@ -244,8 +249,9 @@ def prefill(engine: Engine, weights: Weights, tokens, prompt_len, prompt_width, 
 
 def run_loop(engine: Engine, weights: Weights, state: DecodeState, sampling: Sampling):
   """All rounds in one while_loop; no host sync until every row is done."""
-  return jax.lax.while_loop(lambda s: ~jnp.all(s.done),
-                            lambda s: decode_round(engine, weights, s, sampling), state)
+  return jax.lax.while_loop(
+      lambda s: ~jnp.all(s.done),
+      lambda s: sharding.constrain(engine, decode_round(engine, weights, s, sampling)), state)
 
 
 @functools.partial(jax.jit, static_argnames=("engine", "prompt_width", "cache_size"))
@@ -253,4 +259,4 @@ def decode(engine: Engine, prompt_width: int, cache_size: int, weights: Weights,
            prompt_len, sampling: Sampling, key) -> DecodeState:
   """Prefill + every round, compiled once per (engine, shapes)."""
   state = prefill(engine, weights, tokens, prompt_len, prompt_width, cache_size, key, sampling)
-  return run_loop(engine, weights, state, sampling)
+  return run_loop(engine, weights, sharding.constrain(engine, state), sampling)

@@ -74,6 +74,8 @@ class ModelDrafter:
     return kv_cache.init_kv(self.config, batch, size)
 
   def prefill(self, params, kv, tokens, n, features=None):  # kv comes fresh from `init`
+    dtype = model_lib.compute_dtype(params)  # the cache is kept in the draft's own dtype
+    kv = kv.replace(k=tuple(k.astype(dtype) for k in kv.k), v=tuple(v.astype(dtype) for v in kv.v))
     _, kv = model_lib.forward_cached(self.graphdef, params, tokens, kv, empty=True)
     return kv.rollback(n - 1)
 

@@ -227,7 +227,7 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
              ngram_max: int = 4, verify_rule: str = "exact",
              rule_params: dict | None = None, repetition_penalty=1.0, presence_penalty=0.0,
              frequency_penalty=0.0, no_repeat_ngram_size=0, min_new_tokens=0,
-             logit_bias=None, constraint=None) -> GenerateResult:
+             logit_bias=None, constraint=None, mesh=None) -> GenerateResult:
   """Generates up to `max_new_tokens` new tokens for each prompt.
 
   With no `draft` and `drafter=None` this is plain autoregressive decoding. With a draft
@@ -266,6 +266,11 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
       text is complete with nothing to follow stops.
     The processors act on the raw logits, per candidate prefix, for target and draft
     alike, before temperature / top-k / top-p; speculation stays lossless with them.
+    mesh: a jax Mesh with axes ('data', 'model') (`jax.make_mesh((dp, tp), ('data',
+      'model'))`) to run on several devices (`specjax.sharding`): the target split over
+      'model' (pass `specjax.shard(target, mesh)` to place it once, not every call), the
+      draft replicated, the batch over 'data', padded with copies of the last prompt to
+      a multiple of dp (the copies are dropped). Same seed, same tokens as one device.
   """
   seed = checks.int_at_least("seed", seed, 0)
   if seed >= 2 ** 32:  # PRNGKey keeps 32 bits: larger seeds would collide with small ones
@@ -278,6 +283,9 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
                  repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                  frequency_penalty=frequency_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
                  min_new_tokens=min_new_tokens, logit_bias=logit_bias, constraint=constraint)
+  if mesh is not None:
+    from specjax import sharding
+    args = sharding.distribute(args, mesh)  # its run() returns the caller's rows, on the host
   state = args.run(jax.random.PRNGKey(seed))
   tokens, n, prompt_len = jax.device_get((state.tokens, state.n, state.prompt_len))
   new = [tokens[i, prompt_len[i]:n[i]].tolist() for i in range(len(n))]

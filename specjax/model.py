@@ -17,9 +17,41 @@ import numpy as np
 from flax import nnx
 
 from specjax import kv_cache
+from specjax import quantization
 from specjax.config import ModelConfig
 
 Params = dict[str, Any]
+
+
+# Tensor parallelism (applied by `specjax.sharding`): the axis of each weight that is
+# split over the mesh's 'model' axis, keyed by the tail of its parameter path. Anything
+# not listed (norms, position embeddings, the biases added after a split contraction)
+# is replicated. The fused kernels split into whole heads / units because `specjax.shard`
+# first lays them out in as many groups as the 'model' axis has devices (`qkv_groups`,
+# `mlp_groups`); where that is impossible the part stays replicated (docs/SCALING.md).
+MODEL_AXIS = {
+    ("embed", "embedding"): 0,  # vocabulary
+    ("lm_head", "kernel"): 1,  # vocabulary
+    ("attn", "qkv", "kernel"): 1,  # heads: each group holds whole q, k and v heads
+    ("attn", "qkv", "bias"): 0,
+    ("attn", "out", "kernel"): 0,  # heads (the output is summed over devices)
+    ("mlp", "up", "kernel"): 1,  # hidden units: each group holds [gate | up]
+    ("mlp", "up", "bias"): 0,
+    ("mlp", "down", "kernel"): 0,  # hidden units (summed over devices)
+}
+
+
+def split_fused(x, groups: int, sizes):
+  """The parts of a fused projection's output x [..., G * sum(sizes)], each [..., G * size].
+
+  The fused axis holds G consecutive groups [part 0 | part 1 | ...] (`qkv_groups`,
+  `mlp_groups`); part i gathers its slice of every group, in order. G = 1 is a plain
+  split.
+  """
+  x = x.reshape(x.shape[:-1] + (groups, sum(sizes)))
+  ends = np.cumsum(sizes)
+  return [x[..., end - size:end].reshape(x.shape[:-2] + (groups * size,))
+          for size, end in zip(sizes, ends)]
 
 
 def _dense(rngs, d_in, d_out, bias, std):
@@ -119,10 +151,9 @@ class Attention(nnx.Module):
     cfg = self.cfg
     b, t, _ = x.shape
     h, kvh, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    qkv = self.qkv(x)
-    q = qkv[..., : h * d].reshape(b, t, h, d)
-    k = qkv[..., h * d: (h + kvh) * d].reshape(b, t, kvh, d)
-    v = qkv[..., (h + kvh) * d:].reshape(b, t, kvh, d)
+    g = cfg.qkv_groups
+    q, k, v = split_fused(self.qkv(x), g, (h // g * d, kvh // g * d, kvh // g * d))
+    q, k, v = q.reshape(b, t, h, d), k.reshape(b, t, kvh, d), v.reshape(b, t, kvh, d)
     if cfg.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     if cfg.position == "rope":
@@ -152,7 +183,8 @@ class MLP(nnx.Module):
   def __call__(self, x):
     hidden = self.up(x)
     if self.cfg.mlp == "swiglu":
-      gate, up = jnp.split(hidden, 2, axis=-1)
+      g = self.cfg.mlp_groups
+      gate, up = split_fused(hidden, g, (self.cfg.d_ff // g,) * 2)
       hidden = jax.nn.silu(gate) * up
     else:
       hidden = jax.nn.gelu(hidden, approximate=True)
@@ -179,6 +211,9 @@ class Transformer(nnx.Module):
     self.cfg = cfg
     self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs,
                            embedding_init=nnx.initializers.normal(0.02))
+    # Compute in the embedding's own dtype (bfloat16 weights, bfloat16 forward): nnx
+    # would otherwise keep the float32 it was built with.
+    self.embed.dtype = None
     if cfg.position == "learned":
       self.pos_embed = nnx.Embed(cfg.max_len, cfg.d_model, rngs=rngs,
                                  embedding_init=nnx.initializers.normal(0.01))
@@ -226,7 +261,17 @@ def split(module: Transformer):
 
 
 def merge(graphdef, params: Params) -> Transformer:
-  return nnx.merge(graphdef, params)
+  """The module; int8 weights (`specjax.quantize`) are dequantised here, in the forward."""
+  return nnx.merge(graphdef, quantization.dequantize(params))
+
+
+def compute_dtype(params: Params):
+  """The dtype a forward over `params` runs in, and its KV cache is kept in.
+
+  That of the final norm's scale: every floating parameter shares it (int8 weights carry
+  scales of it); logits come out in float32 whatever it is.
+  """
+  return params["final_norm"]["scale"].dtype
 
 
 def forward(graphdef, params: Params, tokens: jax.Array, hidden: bool = False):
@@ -320,7 +365,26 @@ def abstract_params(cfg: ModelConfig) -> Params:
   return jax.tree_util.tree_map(lambda leaf: leaf, _abstract(cfg)[1])
 
 
-def init_model(cfg: ModelConfig, seed: int = 0) -> Model:
-  """A model with freshly initialised random weights."""
+def float_dtype(dtype):
+  """`dtype` as a jnp dtype; ValueError unless it is a floating one."""
+  try:
+    dt = jnp.dtype(dtype)
+  except TypeError as e:
+    raise ValueError(f"dtype must be a floating dtype, got {dtype!r}") from e
+  if not jnp.issubdtype(dt, jnp.floating):
+    raise ValueError(f"dtype must be a floating dtype, got {dt}")
+  return dt
+
+
+def cast(params: Params, dtype) -> Params:
+  """Every floating parameter cast to `dtype` (int8 weights keep their bits)."""
+  dt = float_dtype(dtype)
+  return jax.tree_util.tree_map(
+      lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+
+
+def init_model(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32) -> Model:
+  """A model with freshly initialised random weights, in `dtype` (the forward's too)."""
+  dt = float_dtype(dtype)
   _, params = split(Transformer(cfg, nnx.Rngs(seed)))
-  return Model(cfg, params)
+  return Model(cfg, params if dt == jnp.float32 else cast(params, dt))

@@ -10,6 +10,7 @@ import json
 import os
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -213,6 +214,13 @@ def export_hf(model: Model, out_dir: str | os.PathLike) -> Path:
   """
   if not isinstance(model, Model):
     raise ValueError(f"export_hf expects a specjax Model, got {type(model).__name__}")
+  from specjax import quantization, sharding
+  if any(quantization.is_quantized(node) for node in jax.tree_util.tree_leaves(
+      model.params, is_leaf=quantization.is_quantized)):
+    raise ValueError("export_hf needs float weights; this model is int8-quantised "
+                     "(export the model before specjax.quantize)")
+  if (model.config.qkv_groups, model.config.mlp_groups) != (1, 1):
+    model = sharding.unshard(model)  # the usual q|k|v and gate|up layout again
   cfg = model.config
   export_type(cfg)  # refuse before writing anything
   save_tokenizer = None if model.tokenizer is None else _tokenizer_saver(model.tokenizer)
