@@ -33,6 +33,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.top_k = 0
   c.batch_size = (1,)
   c.draft_sample = "probabilistic"
+  # History-dependent processors, applied per candidate prefix (1.0 / 0 = off), e.g.
+  # --config.repetition_penalty='(1.0,1.2)'. A processor switched on compiles once more.
+  c.repetition_penalty = (1.0,)
+  c.presence_penalty = (0.0,)
+  c.frequency_penalty = (0.0,)
+  c.no_repeat_ngram_size = (0,)
+  # Token trees for the model drafter (branching factors, or lists of paths), swept at the
+  # other axes' first drafter and γ: e.g. --config.trees='((2,2,1,1),(4,2,1,1))'.
+  c.trees = ()
   c.ngram_min = 1
   c.ngram_max = 4
   c.num_prompts = 8  # prompts per grid point, from the held-out split of the corpus
@@ -51,6 +60,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.prompt_tokens = 16
     c.max_new_tokens = 8
     c.timing_pairs = 1
+    c.trees = ((2, 1),)
   elif variant == "full":
     c.gamma = (1, 2, 3, 4, 5, 6, 8, 10, 12)
     c.temperature = (0.0, 0.3, 0.7, 1.0, 1.3)

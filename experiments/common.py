@@ -95,9 +95,10 @@ def merge_stats(stats: list[dict]) -> dict:
 
 def step_costs(target, draft, drafter: str, gamma: int, batch: int, context: int,
                ngram=(1, 4), draft_sample="probabilistic", repeats: int = 3,
-               temperature: float = 1.0):
+               temperature: float = 1.0, tree=None):
   """`costs.step_costs` for a drafter named as in `specjax.generate`."""
-  obj = generation.make_drafter(target, draft, drafter, gamma, draft_sample, *ngram)
+  obj = generation.make_drafter(target, draft, drafter, None if tree else gamma, draft_sample,
+                                *ngram, tree=tree)
   params = draft.params if drafter == "model" else None
   return costs.step_costs(target, obj, params, batch, context, temperature=temperature,
                           repeats=repeats)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from experiments import common
 from specjax import costs, data, generation, ledger
 from specjax import train as train_lib
 from specjax.pretrained import load_pretrained
@@ -127,11 +128,13 @@ def markdown_tables(card: dict) -> str:
       "", f"α̂ over {pair['positions']:,} held-out positions: "
       f"**{pair['alpha_t0']:.3f} at temperature 0**, **{pair['alpha_t1']:.3f} at temperature 1**; "
       f"draft/target step cost c = {pair['cost_ratio_c']:.3f}.", "",
-      "| γ | target pass of γ+1 tokens (ms) | v(γ) | E(α̂₀, γ) tokens/target call | "
-      "predicted speedup E / (γc + v) |", "|---|---|---|---|---|"]
-  for gamma, row in sorted(pair["by_gamma"].items(), key=lambda kv: int(kv[0])):
-    lines.append(f"| {gamma} | {t[f'pass_{int(gamma) + 1}_tokens_ms']:.3f} | {row['v']:.2f} | "
-                 f"{row['tokens_per_target_call']:.2f} | {row['predicted_speedup_t0']:.2f} |")
+  ]
+  rows = [dict(gamma=int(g), pass_ms=t[f"pass_{int(g) + 1}_tokens_ms"], **row)
+          for g, row in sorted(pair["by_gamma"].items(), key=lambda kv: int(kv[0]))]
+  lines.append(common.markdown_table(rows, [
+      ("γ", "gamma", "d"), ("target pass of γ+1 tokens (ms)", "pass_ms", ".3f"),
+      ("v(γ)", "v", ".2f"), ("E(α̂₀, γ) tokens/target call", "tokens_per_target_call", ".2f"),
+      ("predicted speedup E / (γc + v)", "predicted_speedup_t0", ".2f")]))
   return "\n".join(lines)
 
 

@@ -18,24 +18,41 @@ PLOTS = ("acceptance_vs_gamma.png", "tokens_per_call.png", "speedup_vs_gamma.png
          "acceptance_by_position.png")
 
 
-def _series(rows, drafter, batch, top_p):
-  """{temperature: rows sorted by γ} for one drafter / batch size / top-p."""
+_PROCESSORS = {"repetition_penalty": ("rep", 1.0), "presence_penalty": ("pres", 0.0),
+               "frequency_penalty": ("freq", 0.0), "no_repeat_ngram_size": ("no-repeat", 0)}
+
+
+def processors_label(r) -> str:
+  """'rep 1.2, no-repeat 3' for the processors a row had on, and its tree ('' if none)."""
+  parts = [f"{name} {r[k]:g}" for k, (name, off) in _PROCESSORS.items()
+           if r.get(k, off) != off]
+  if r.get("tree"):
+    parts.append("tree " + str(tuple(tuple(x) if isinstance(x, list) else x
+                                     for x in r["tree"])).replace(" ", ""))
+  return ", ".join(parts)
+
+
+def _series(rows, drafter, batch, top_p, procs=""):
+  """{temperature: rows sorted by γ} for one drafter / batch size / top-p / processors."""
   out = defaultdict(list)
   for r in rows:
-    if r["drafter"] == drafter and r["batch_size"] == batch and r["top_p"] == top_p:
+    if (r["drafter"] == drafter and r["batch_size"] == batch and r["top_p"] == top_p
+        and processors_label(r) == procs):
       out[r["temperature"]].append(r)
   return {t: sorted(rs, key=lambda r: r["gamma"]) for t, rs in sorted(out.items())}
 
 
 def _panels(rows):
-  keys = sorted({(r["drafter"], r["batch_size"], r["top_p"]) for r in rows})
+  keys = sorted({(r["drafter"], r["batch_size"], r["top_p"], processors_label(r))
+                 for r in rows})
   fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4), squeeze=False)
   return keys, fig, axes[0]
 
 
 def _title(key):
-  drafter, batch, top_p = key
-  return f"{drafter} drafter, batch {batch}" + (f", top-p {top_p}" if top_p < 1 else "")
+  drafter, batch, top_p, procs = key
+  return (f"{drafter} drafter, batch {batch}" + (f", top-p {top_p}" if top_p < 1 else "")
+          + (f", {procs}" if procs else ""))
 
 
 def write_report(rows: list[dict], workdir) -> None:
@@ -104,7 +121,7 @@ def write_report(rows: list[dict], workdir) -> None:
 
 SUMMARY_COLUMNS = [
     ("drafter", "drafter", "s"), ("batch", "batch_size", "d"), ("T", "temperature", "g"),
-    ("top-p", "top_p", "g"), ("γ", "gamma", "d"), ("α̂", "alpha_hat", ".3f"),
+    ("top-p", "top_p", "g"), ("processors", "processors", "s"), ("γ", "gamma", "d"), ("α̂", "alpha_hat", ".3f"),
     ("accept rate", "acceptance_rate", ".3f"), ("tokens/call", "tokens_per_target_call", ".2f"),
     ("E(α̂,γ)", "expected_tokens", ".2f"), ("c", "c", ".3f"), ("v(γ)", "v", ".2f"),
     ("tok/s", "tokens_per_s", ".0f"), ("target-only tok/s", "target_only_tokens_per_s", ".0f"),
@@ -112,8 +129,9 @@ SUMMARY_COLUMNS = [
 
 
 def summary_table(rows: list[dict]) -> str:
+  rows = [dict(r, processors=processors_label(r) or "none") for r in rows]
   order = sorted(rows, key=lambda r: (r["drafter"], r["batch_size"], r["top_p"],
-                                      r["temperature"], r["gamma"]))
+                                      r["processors"], r["temperature"], r["gamma"]))
   lines = [common.markdown_table(order, SUMMARY_COLUMNS)]
   best = max(rows, key=lambda r: r["speedup"])
   lines += ["", f"Best measured: {best['speedup']:.2f}x with the {best['drafter']} drafter, "

@@ -28,6 +28,9 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/sweep.py", "Sweep c
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where results go.", required=True)
 
 GRID_FIELDS = ("drafter", "gamma", "temperature", "top_p", "batch_size")
+# Processor axes: neutral values mean off; rows written before they existed read as off.
+PROCESSOR_FIELDS = {"repetition_penalty": 1.0, "presence_penalty": 0.0,
+                    "frequency_penalty": 0.0, "no_repeat_ngram_size": 0}
 
 
 def validate(cfg) -> None:
@@ -36,13 +39,24 @@ def validate(cfg) -> None:
   def fail(field, message):
     raise ValueError(f"config.{field}: {message} (got {cfg[field]!r})")
 
-  for field in GRID_FIELDS:
+  for field in GRID_FIELDS + tuple(PROCESSOR_FIELDS):
     if not isinstance(cfg[field], (tuple, list)) or not cfg[field]:
       fail(field, "must be a non-empty tuple")
+  for r in cfg.repetition_penalty:
+    if not isinstance(r, (int, float)) or not r > 0:
+      fail("repetition_penalty", "penalties must be > 0 (1 = off)")
+  for n in cfg.no_repeat_ngram_size:
+    if not isinstance(n, int) or n < 0:
+      fail("no_repeat_ngram_size", "sizes must be ints >= 0 (0 = off)")
   for d in cfg.drafter:
     if d not in generation.DRAFTERS:
       fail("drafter", f"unknown drafter {d!r}; use one of {generation.DRAFTERS}")
-  if "model" in cfg.drafter and not cfg.draft:
+  for tree in cfg.trees:
+    try:
+      generation.make_tree(tree, None)
+    except ValueError as e:
+      fail("trees", str(e))
+  if ("model" in cfg.drafter or cfg.trees) and not cfg.draft:
     fail("draft", "drafter 'model' needs a draft model")
   for g in cfg.gamma:
     if not isinstance(g, int) or isinstance(g, bool) or g < 1:
@@ -66,7 +80,10 @@ def validate(cfg) -> None:
 
 
 def point_key(point: dict) -> str:
-  return json.dumps({k: point[k] for k in GRID_FIELDS}, sort_keys=True)
+  key = {k: point[k] for k in GRID_FIELDS}
+  key["tree"] = point.get("tree")
+  key.update({k: point.get(k, off) for k, off in PROCESSOR_FIELDS.items()})
+  return json.dumps(key, sort_keys=True)
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -96,8 +113,16 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
   results_path = workdir / "results.jsonl"
   rows = read_rows(results_path)
   done = {point_key(r) for r in rows}
-  grid = [dict(zip(GRID_FIELDS, values)) for values in itertools.product(
-      *(tuple(cfg[f]) for f in GRID_FIELDS))]
+  fields = GRID_FIELDS + tuple(PROCESSOR_FIELDS)
+  grid = [dict(zip(fields, values)) for values in itertools.product(
+      *(tuple(cfg[f]) for f in fields))]
+  # Token trees: model-drafter points whose γ is the tree's depth (processors off).
+  for tree in cfg.trees:
+    depth = generation.make_tree(tree, None).depth
+    grid += [dict(p, drafter="model", gamma=depth, tree=[list(x) if isinstance(x, (list, tuple))
+                                                         else x for x in tree])
+             for p in grid if p["drafter"] == cfg.drafter[0] and p["gamma"] == cfg.gamma[0]
+             and all(p[k] == off for k, off in PROCESSOR_FIELDS.items())]  # trees: none yet
   todo = [p for p in grid if point_key(p) not in done]
   logging.info("%d grid points, %d already done", len(grid), len(grid) - len(todo))
   if not todo:
@@ -108,7 +133,7 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
     target, draft = models
   else:
     target, draft = common.load_pair(cfg.target,
-                                     cfg.draft if "model" in cfg.drafter else None)
+                                     cfg.draft if "model" in cfg.drafter or cfg.trees else None)
   if prompts is None:
     if target.tokenizer is None:
       raise ValueError(f"target {cfg.target!r} has no tokenizer: prompts come from text")
@@ -127,15 +152,20 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
   bar = tqdm.tqdm(todo, desc="sweep", disable=not progress)
   for point in bar:
     bar.set_postfix_str(" ".join(f"{k}={v}" for k, v in point.items()))
-    sampling = dict(base, temperature=point["temperature"], top_p=point["top_p"])
+    sampling = dict(base, temperature=point["temperature"], top_p=point["top_p"],
+                    **{k: point[k] for k in PROCESSOR_FIELDS})
     # A greedy draft skips sampling, so its cost depends on whether T is 0.
-    ckey = (point["drafter"], point["gamma"], point["batch_size"], point["temperature"] == 0)
+    tree = _as_tree(point.get("tree"))
+    ckey = (point["drafter"], point["gamma"], point["batch_size"], point["temperature"] == 0,
+            tree)
     if ckey not in step_costs:
       step_costs[ckey] = common.step_costs(
           target, draft, point["drafter"], point["gamma"], point["batch_size"], context,
-          (cfg.ngram_min, cfg.ngram_max), cfg.draft_sample, temperature=point["temperature"])
-    spec = dict(sampling, gamma=point["gamma"], drafter=point["drafter"],
-                ngram_min=cfg.ngram_min, ngram_max=cfg.ngram_max)
+          (cfg.ngram_min, cfg.ngram_max), cfg.draft_sample, temperature=point["temperature"],
+          tree=tree)
+    spec = dict(sampling, drafter=point["drafter"], ngram_min=cfg.ngram_min,
+                ngram_max=cfg.ngram_max,
+                **(dict(tree=tree) if tree else dict(gamma=point["gamma"])))
     if point["drafter"] == "model":
       spec.update(draft=draft, draft_sample=cfg.draft_sample)
     timing = common.paired_generate(target, prompts, point["batch_size"], cfg.timing_pairs,
@@ -152,7 +182,13 @@ def make_row(point, timing, sc, machine) -> dict:
   gamma = point["gamma"]
   stats = timing["method"]["stats"]
   alpha = stats["alpha_hat"]
-  predicted = float(ledger.predicted_speedup(alpha, gamma, sc["c"], sc["v"]))
+  tree = _as_tree(point.get("tree"))
+  if tree:
+    parents = generation.make_tree(tree, None).parents
+    expected = ledger.tree_expected_tokens(parents, alpha)
+  else:
+    expected = float(ledger.expected_tokens(alpha, gamma))
+  predicted = expected / (gamma * sc["c"] + sc["v"])
   return dict(
       point,
       rows=stats["rows"], rounds=stats["rounds"], target_calls=stats["target_calls"],
@@ -160,7 +196,7 @@ def make_row(point, timing, sc, machine) -> dict:
       acceptance_rate=stats["acceptance_rate"], alpha_hat=alpha,
       alpha_positions=ledger.alpha_from_positions(stats["accepted_at"], stats["rounds"]),
       tokens_per_target_call=stats["tokens_per_target_call"],
-      expected_tokens=float(ledger.expected_tokens(alpha, gamma)),
+      expected_tokens=expected,
       acceptance_by_position=stats["acceptance_by_position"],
       committed_hist=stats["committed_hist"],
       seconds=timing["method"]["seconds"], tokens_per_s=timing["method"]["tokens_per_s"],
@@ -171,6 +207,13 @@ def make_row(point, timing, sc, machine) -> dict:
       draft_propose_ms=sc["propose_s"] * 1e3,
       predicted_speedup=predicted, machine=machine,
   )
+
+
+def _as_tree(tree):
+  """A tree from JSON (lists) back to the hashable form generate takes."""
+  if not tree:
+    return None
+  return tuple(tuple(x) if isinstance(x, list) else x for x in tree)
 
 
 def main(argv):

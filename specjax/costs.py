@@ -112,7 +112,8 @@ def forward_cost(model, batch: int, tokens_per_call: int, context: int = 128,
 def propose_cost(drafter, draft_params, batch: int, vocab_size: int, context: int = 128,
                  iters: int = 16, repeats: int = 5, temperature: float = 1.0) -> float:
   """Seconds per `drafter.propose` call (γ draft tokens per row), state rolled back each time."""
-  cache_size = context + drafter.gamma + 66
+  tree = getattr(drafter, "tree", None)
+  cache_size = context + (drafter.gamma if tree is None else tree.num_nodes) + 66
   sampling = Sampling.create(batch, temperature=temperature)
   tokens = jax.random.randint(jax.random.PRNGKey(0), (batch, cache_size), 0, vocab_size)
   n = jnp.full((batch,), context, jnp.int32)
@@ -138,13 +139,16 @@ def step_costs(target, drafter, draft_params, batch: int, context: int,
   """The ledger's costs, with the one definition of c used everywhere.
 
   c = (one `drafter.propose` call, γ tokens, sampling included) / γ / (one cached
-  1-token target step); v(γ) = (one (γ+1)-token target pass) / (one 1-token step).
+  1-token target step); v(γ) = (one (γ+1)-token target pass) / (one 1-token step). For a
+  token tree γ is its depth and the verify pass has N + 1 tokens (N nodes).
   Both at the same context, batch and cache size.
   """
   gamma = drafter.gamma
-  cache = context + gamma + 130
+  tree = getattr(drafter, "tree", None)
+  width = gamma + 1 if tree is None else tree.num_nodes + 1  # tokens in the verify pass
+  cache = context + width + 130
   t1 = forward_cost(target, batch, 1, context=context, cache_size=cache, repeats=repeats)
-  tv = forward_cost(target, batch, gamma + 1, context=context, cache_size=cache,
+  tv = forward_cost(target, batch, width, context=context, cache_size=cache,
                     repeats=repeats)
   propose = propose_cost(drafter, draft_params, batch, target.config.vocab_size,
                          context=context, repeats=repeats, temperature=temperature)

@@ -27,6 +27,7 @@ from specjax import kv_cache
 from specjax import model as model_lib
 from specjax import processors
 from specjax import sharding
+from specjax import trees
 from specjax.config import ModelConfig
 from specjax.sampling import Sampling
 from specjax.verify import ExactRule
@@ -162,12 +163,13 @@ def update_stats(s: Stats, live, n_accepted, count, overlap) -> Stats:
 # The round.
 
 
-def _target_pass(engine: Engine, params, tokens, kv, empty=False):
+def _target_pass(engine: Engine, params, tokens, kv, empty=False, **layout):
   """Cached target forward; also returns hidden states when the drafter reads them."""
   graphdef = model_lib.graphdef_for(engine.target)
   if getattr(engine.drafter, "uses_features", False):
-    return model_lib.forward_cached(graphdef, params, tokens, kv, empty=empty, hidden=True)
-  logits, kv = model_lib.forward_cached(graphdef, params, tokens, kv, empty=empty)
+    return model_lib.forward_cached(graphdef, params, tokens, kv, empty=empty, hidden=True,
+                                    **layout)
+  logits, kv = model_lib.forward_cached(graphdef, params, tokens, kv, empty=empty, **layout)
   return logits, kv, None
 
 
@@ -182,16 +184,19 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
                  sampling: Sampling) -> DecodeState:
   """One draft + verify round for every row: a pure function of its inputs."""
   drafter = engine.drafter
+  tree = getattr(drafter, "tree", None)  # a token tree's static shape; None for a chain
   key, draft_key, verify_key = jax.random.split(state.key, 3)
 
   # 1. Draft.
   ys, qs, draft_state = drafter.propose(weights.draft, state.draft_state, state.tokens,
                                         state.n, draft_key,
                                         sampling.replace(history=state.history))
-  # 2. Verify pass: the pending token and the γ drafts, one target call.
+  # 2. Verify pass: the pending token and the γ drafts (or every tree node), one call.
   pending = jnp.take_along_axis(state.tokens, (state.n - 1)[:, None], axis=1)
+  layout = {} if tree is None else trees.verify_layout(tree, state.n)
   logits, target_kv, features = _target_pass(
-      engine, weights.target, jnp.concatenate([pending, ys], axis=1), state.target_kv)
+      engine, weights.target, jnp.concatenate([pending, ys], axis=1), state.target_kv,
+      **layout)
   # Position i is processed with the history of the committed prefix + y_1..y_{i-1}.
   prefixes = _per_prefix(sampling, state.history, ys)
   if prefixes is None:
@@ -200,13 +205,18 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
     ps = jax.vmap(sampling.process, in_axes=(1, 1), out_axes=1)(logits, prefixes)
   # 3. Verify rule, one row at a time.
   row_keys = jax.vmap(jax.random.fold_in, (None, 0))(verify_key, jnp.arange(ys.shape[0]))
-  n_accepted, next_token, overlap = engine.rule(row_keys, ys, qs, ps)
+  if tree is None:
+    n_accepted, next_token, overlap = engine.rule(row_keys, ys, qs, ps)
+  else:  # walk down from the root; ys becomes the accepted path's tokens
+    n_accepted, next_token, overlap, path = trees.walk_batch(
+        row_keys, ys, qs, ps, tree, drafter.sample_mode == "greedy")
+    ys = jnp.take_along_axis(ys, jnp.maximum(path, 0), axis=1)
   # 4. Commit y_1..y_a and the correction/bonus token (at index a).
   idx = jnp.arange(drafter.gamma + 1)[None, :]
   new = jnp.where(idx == n_accepted[:, None], next_token[:, None],
                   jnp.concatenate([ys, next_token[:, None]], axis=1))  # [B, γ+1]
   room = room_left(state.n, state.prompt_len, sampling.max_new, engine.target.max_len,
-                   state.tokens.shape[1], new.shape[1])
+                   state.tokens.shape[1], new.shape[1] if tree is None else tree.num_nodes + 1)
   hits = stop_hits(state.tokens, state.n, state.prompt_len, new, sampling.stop_seqs,
                    sampling.stop_lens)
   after = _per_prefix(sampling, state.history, new)  # [B, γ+2]: after 0..γ+1 of `new`
@@ -218,11 +228,16 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
   # 5. Rollback both caches (and the processors' history) to the committed history.
   rows = jnp.arange(count.shape[0])
   history = None if after is None else jax.tree_util.tree_map(lambda x: x[rows, count], after)
+  if tree is None:
+    draft_state = drafter.rollback(draft_state, n, features, state.n - 1)
+  else:  # the accepted path's KV moves into contiguous slots; other branches are dropped
+    target_kv = trees.compact_path(target_kv, state.n - 1, path, n_accepted)
+    draft_state = drafter.rollback(draft_state, n, features, state.n - 1, path=path)
   return state.replace(
       history=history,
       tokens=tokens, n=n, done=state.done | stop,
       target_kv=target_kv.rollback(n - 1),
-      draft_state=drafter.rollback(draft_state, n, features, state.n - 1),
+      draft_state=draft_state,
       key=key, target_calls=state.target_calls + 1,
       stats=update_stats(state.stats, ~state.done, n_accepted, count, overlap))
 

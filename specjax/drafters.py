@@ -95,17 +95,23 @@ class ModelDrafter:
     # At temperature 0 q is the one-hot argmax: skip the V random numbers a draw costs.
     return jax.lax.cond(jnp.all(sampling.temperature <= 0), argmax, draw)
 
-  def propose(self, params, kv, tokens, n, key, sampling):
-    # After a fully accepted round the draft never saw y_γ, so its cache may be one
-    # behind the committed history. Feeding two tokens from its own length catches up
-    # in either case with one static shape; a surplus write lands past the new length.
+  def _catch_up(self, params, kv, tokens, n):
+    """Feeds the draft up to the pending token: (its logits [B, V], kv of length n).
+
+    After a fully accepted round the draft never saw y_γ, so its cache may be one behind
+    the committed history. Feeding two tokens from its own length catches up in either
+    case with one static shape; a surplus write lands past the new length.
+    """
     start = kv.length
     chunk = jnp.take_along_axis(tokens, start[:, None] + jnp.arange(2)[None, :], axis=1,
                                 mode="clip")
     logits, kv = model_lib.forward_cached(self.graphdef, params, chunk, kv)
     last = (n - 1) - start  # 0 or 1: which of the two fed tokens is the newest
     logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
-    kv = kv.rollback(n)
+    return logits, kv.rollback(n)
+
+  def propose(self, params, kv, tokens, n, key, sampling):
+    logits, kv = self._catch_up(params, kv, tokens, n)
 
     # The processors' history follows the draft's own proposals, y_1..y_{i-1} at step i.
     def step(carry, step_key):

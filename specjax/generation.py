@@ -14,6 +14,7 @@ from specjax import checks
 from specjax import constraints as constraints_lib
 from specjax import decode as decode_lib
 from specjax import processors
+from specjax import trees
 from specjax import drafters as drafters_lib
 from specjax import rules as rules_lib
 from specjax.model import Model
@@ -70,8 +71,26 @@ def check_prompts(prompts, model: Model) -> list[list[int]]:
   return out
 
 
-def make_drafter(target: Model, draft: Model | None, drafter: str | None, gamma: int,
-                 draft_sample: str, ngram_min: int, ngram_max: int):
+def make_tree(tree, gamma):
+  """`tree=` as a `trees.Tree`: branching factors (k_1, ..., k_d) or a list of paths."""
+  if isinstance(tree, trees.Tree):
+    out = tree
+  elif isinstance(tree, (tuple, list)) and tree and all(checks.is_int(k) for k in tree):
+    out = trees.Tree.from_branching(tree)
+  elif isinstance(tree, (tuple, list)) and tree and all(isinstance(p, (tuple, list))
+                                                         for p in tree):
+    out = trees.Tree.from_paths(tree)
+  else:
+    raise ValueError(f"tree must be branching factors like (2, 2, 1) or a list of paths "
+                     f"like [(0,), (1,), (0, 0)], got {tree!r}")
+  if gamma is not None and gamma != out.depth:
+    raise ValueError(f"tree has depth {out.depth} but gamma={gamma}: leave gamma unset "
+                     "with a tree (the depth is the draft length)")
+  return out
+
+
+def make_drafter(target: Model, draft: Model | None, drafter: str | None, gamma: int | None,
+                 draft_sample: str, ngram_min: int, ngram_max: int, tree=None):
   """Validates the speculative settings and builds the static drafter object."""
   if draft is not None and not isinstance(draft, Model):
     raise ValueError(f"draft must be a specjax Model (from load_pretrained, init_model or "
@@ -82,7 +101,13 @@ def make_drafter(target: Model, draft: Model | None, drafter: str | None, gamma:
     return drafters_lib.NoDrafter(vocab_size=target.config.vocab_size)
   if drafter not in DRAFTERS:
     raise ValueError(f"drafter must be one of {DRAFTERS} (or None), got {drafter!r}")
-  gamma = checks.int_at_least("gamma (draft length)", gamma, 1)
+  if tree is not None:
+    tree = make_tree(tree, gamma)
+    gamma = tree.depth
+    if drafter != "model":
+      raise ValueError(f"tree= needs drafter='model' (a draft model); the {drafter!r} "
+                       "drafter proposes chains only")
+  gamma = checks.int_at_least("gamma (draft length)", 4 if gamma is None else gamma, 1)
   if drafter == "ngram":
     if not (checks.is_int(ngram_min) and checks.is_int(ngram_max) and 1 <= ngram_min <= ngram_max):
       raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {ngram_min}, {ngram_max}")
@@ -95,6 +120,9 @@ def make_drafter(target: Model, draft: Model | None, drafter: str | None, gamma:
                      f"{draft.config.vocab_size}, target vocab_size={target.config.vocab_size}")
   if draft_sample not in DRAFT_SAMPLE_MODES:
     raise ValueError(f"draft_sample must be one of {DRAFT_SAMPLE_MODES}, got {draft_sample!r}")
+  if tree is not None:
+    return trees.TreeModelDrafter(config=draft.config, gamma=gamma, sample_mode=draft_sample,
+                                  tree=tree)
   return drafters_lib.ModelDrafter(config=draft.config, gamma=gamma, sample_mode=draft_sample)
 
 
@@ -161,7 +189,8 @@ def _stop_table(target: Model, eos_id, stop_sequences):
 
 
 def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p, eos_id,
-            stop_sequences=None, draft=None, gamma=4, drafter=None, draft_sample="probabilistic",
+            stop_sequences=None, draft=None, gamma=None, drafter=None,
+            draft_sample="probabilistic", tree=None,
             ngram_min=1, ngram_max=4, repetition_penalty=1.0, presence_penalty=0.0,
             frequency_penalty=0.0, no_repeat_ngram_size=0, min_new_tokens=0, logit_bias=None,
             constraint=None, verify_rule="exact", rule_params=None) -> Prepared:
@@ -194,8 +223,13 @@ def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p
       presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
       no_repeat_ngram_size=no_repeat_ngram_size, min_new_tokens=min_new_tokens,
       logit_bias=logit_bias, constraint=constraint)
-  drafter_obj = make_drafter(target, draft, drafter, gamma, draft_sample, ngram_min, ngram_max)
+  drafter_obj = make_drafter(target, draft, drafter, gamma, draft_sample, ngram_min, ngram_max,
+                             tree)
   rule = rules_lib.make_rule(verify_rule, rule_params, drafter_obj.gamma)
+  if tree is not None and (pcfg.active or verify_rule != "exact"):
+    raise ValueError("tree= works with the exact rule and without history-dependent "
+                     "processors (penalties, n-gram bans, min_new_tokens, logit_bias, "
+                     "constraint) for now")
   if isinstance(drafter_obj, drafters_lib.ModelDrafter):
     if draft.config.max_len < longest + max_new_tokens:
       raise ValueError(f"prompt length {longest} + max_new_tokens {max_new_tokens} exceeds the "
@@ -203,7 +237,9 @@ def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p
 
   # Bucketed shapes: nearby prompt lengths and budgets reuse one compiled engine.
   prompt_width = checks.round_up(longest, 16)
-  cache_size = checks.round_up(prompt_width + max_new_tokens + drafter_obj.gamma + 2, 64)
+  # A round writes the KV of every candidate (all tree nodes) past the committed history.
+  span = drafter_obj.tree.num_nodes if tree is not None else drafter_obj.gamma
+  cache_size = checks.round_up(prompt_width + max_new_tokens + span + 2, 64)
   tokens = np.zeros((batch, cache_size), np.int32)
   for i, p in enumerate(prompts):
     tokens[i, :len(p)] = p
@@ -222,7 +258,7 @@ def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p
 def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.0, top_k=0,
              top_p=1.0, seed: int = 0, eos_id=None, stop_sequences=None,
              draft: Model | None = None,
-             gamma: int = 4, drafter: str | None = None,
+             gamma: int | None = None, drafter: str | None = None, tree=None,
              draft_sample: str = "probabilistic", ngram_min: int = 1,
              ngram_max: int = 4, verify_rule: str = "exact",
              rule_params: dict | None = None, repetition_penalty=1.0, presence_penalty=0.0,
@@ -247,7 +283,11 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
     stop_sequences: token-id lists (or strings, encoded with the target's tokenizer) that
       end a row once generated; emitted like EOS. A match must lie in the new tokens.
     draft: the draft model (same vocabulary as the target).
-    gamma: draft tokens proposed per round.
+    gamma: draft tokens proposed per round (default 4; with a tree, its depth).
+    tree: a token tree for the model drafter: branching factors (k_1, ..., k_d) (every
+      node at depth j-1 gets k_j children; (1,)*γ is the chain) or Medusa-style paths of
+      child ranks, e.g. [(0,), (1,), (0, 0)]. The target scores every node in one pass
+      and the walk down from the root keeps the output exactly the target's.
     drafter: 'model', 'ngram' (prompt lookup, no draft model) or None (infer).
     draft_sample: 'probabilistic' (sample from q) or 'greedy' (argmax, one-hot q).
     ngram_min, ngram_max: suffix lengths the n-gram drafter tries.
@@ -277,7 +317,7 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
     raise ValueError(f"seed must be < 2**32, got {seed}")
   args = prepare(target, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                  top_k=top_k, top_p=top_p, eos_id=eos_id, stop_sequences=stop_sequences,
-                 draft=draft, gamma=gamma,
+                 draft=draft, gamma=gamma, tree=tree,
                  drafter=drafter, draft_sample=draft_sample, ngram_min=ngram_min,
                  ngram_max=ngram_max, verify_rule=verify_rule, rule_params=rule_params,
                  repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,

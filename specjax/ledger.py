@@ -69,3 +69,21 @@ def fit_verify_cost(gammas: Sequence[int], costs: Sequence[float]) -> Callable[[
     return np.where(g > gammas[-1], beyond, np.where(g < gammas[0], below, inside))
 
   return v
+
+
+def tree_expected_tokens(parents, alpha):
+  """Mean tokens per target call for a token tree (parents listed breadth-first, -1 = root).
+
+  Each try of a child is accepted with probability α (given that every earlier sibling
+  was rejected), so a node's value is Σ_r (1-α)^r α (1 + value(child r)), and a call
+  commits 1 + value(root) tokens. A chain gives E(α, γ).
+  """
+  children = {}
+  for i, p in enumerate(parents):
+    children.setdefault(p, []).append(i)
+
+  def value(node):
+    return sum((1 - alpha) ** r * alpha * (1 + value(c))
+               for r, c in enumerate(children.get(node, [])))
+
+  return 1.0 + value(-1)

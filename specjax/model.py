@@ -101,27 +101,34 @@ def rope(x: jax.Array, positions: jax.Array, freqs) -> jax.Array:
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def attend(q, k, v, cache=None):
-  """Causal attention of T new queries over the cached keys plus the T new keys.
+def attend(q, k, v, cache=None, mask=None):
+  """Attention of T new queries over the cached keys plus the T new keys.
 
   q: [B, T, H, D]; k, v: [B, T, KVH, D] for the same T tokens; cache: optional
   (k_buf, v_buf, length) with buffers [B, KVH, S, D] whose first length[b] slots are the
   history. The cache is only read here (it is written after), which lets XLA update it
   in place instead of copying it every step. Heads are grouped for GQA.
+  mask: None (causal over the chunk, the first `length` slots of the cache) or, for
+  token trees, (chunk bool[T, T], slots bool[B, T, S] or None): which new tokens and
+  which cache slots each query sees.
   """
   b, t, h, d = q.shape
   kvh = k.shape[2]
   qg = q.reshape(b, t, kvh, h // kvh, d) * (d ** -0.5)
-  causal = jnp.tril(jnp.ones((t, t), bool))
-  scores = [jnp.where(causal, jnp.einsum("btkgd,bukd->bkgtu", qg, k), -1e30)]
+  chunk, slots = (jnp.tril(jnp.ones((t, t), bool)), None) if mask is None else mask
+  scores = [jnp.where(chunk, jnp.einsum("btkgd,bukd->bkgtu", qg, k), -1e30)]
   if cache is not None:
     k_buf, v_buf, length = cache
-    valid = jnp.arange(k_buf.shape[2])[None, :] < length[:, None]  # [B, S]
+    if slots is None:
+      valid = jnp.arange(k_buf.shape[2])[None, :] < length[:, None]  # [B, S]
+      seen = valid[:, None, None, None, :]
+    else:
+      valid, seen = jnp.any(slots, axis=1), slots[:, None, None]  # seen by some query
     # Invalid slots may hold anything (stale drafts, NaN): zero them so 0 * NaN never
     # reaches the weighted sum.
     v_buf = jnp.where(valid[:, None, :, None], v_buf, 0.0)
     cached = jnp.einsum("btkgd,bksd->bkgts", qg, k_buf)
-    scores.insert(0, jnp.where(valid[:, None, None, None, :], cached, -1e30))
+    scores.insert(0, jnp.where(seen, cached, -1e30))
   weights = jax.nn.softmax(jnp.concatenate(scores, axis=-1).astype(jnp.float32), axis=-1)
   weights = weights.astype(v.dtype)
   out = jnp.einsum("bkgtu,bukd->btkgd", weights[..., -t:], v)
@@ -142,7 +149,7 @@ class Attention(nnx.Module):
       self.q_norm = nnx.RMSNorm(d, epsilon=cfg.norm_eps, rngs=rngs)
       self.k_norm = nnx.RMSNorm(d, epsilon=cfg.norm_eps, rngs=rngs)
 
-  def __call__(self, x, positions, cache=None, read_cache=True):
+  def __call__(self, x, positions, cache=None, read_cache=True, mask=None):
     """x: [B, T, d_model]; positions: int[B, T]; cache: (k, v, length) or None.
 
     read_cache=False writes the cache without attending over it: for a prefill into an
@@ -160,8 +167,8 @@ class Attention(nnx.Module):
       freqs = rope_frequencies(cfg)
       q, k = rope(q, positions, freqs), rope(k, positions, freqs)
     if cache is None:
-      return self.out(attend(q, k, v)), None
-    out = attend(q, k, v, cache if read_cache else None)
+      return self.out(attend(q, k, v, mask=mask)), None
+    out = attend(q, k, v, cache if read_cache else None, mask)
     k_buf, v_buf, length = cache
     # The write depends on the attention output, so XLA must read the old buffers first
     # and may then update them in place; otherwise it copies both caches every step.
@@ -199,8 +206,8 @@ class Block(nnx.Module):
     self.mlp_norm = _norm(cfg, rngs)
     self.mlp = MLP(cfg, rngs)
 
-  def __call__(self, x, positions, cache=None, read_cache=True):
-    attn_out, cache = self.attn(self.attn_norm(x), positions, cache, read_cache)
+  def __call__(self, x, positions, cache=None, read_cache=True, mask=None):
+    attn_out, cache = self.attn(self.attn_norm(x), positions, cache, read_cache, mask)
     x = x + attn_out
     return x + self.mlp(self.mlp_norm(x)), cache
 
@@ -223,7 +230,7 @@ class Transformer(nnx.Module):
       self.lm_head = _dense(rngs, cfg.d_model, cfg.vocab_size, False, 0.02)
 
   def __call__(self, tokens, positions, kv: kv_cache.KVState | None = None,
-               read_cache: bool = True, hidden: bool = False):
+               read_cache: bool = True, hidden: bool = False, mask=None):
     """tokens, positions: int[B, T] -> (logits float32[B, T, V], new k/v per layer).
 
     hidden=True adds a third output: the residual stream after the last block, before
@@ -236,7 +243,7 @@ class Transformer(nnx.Module):
     ks, vs = [], []
     for i, block in enumerate(self.blocks):
       cache = None if kv is None else (kv.k[i], kv.v[i], kv.length)
-      x, new_cache = block(x, positions, cache, read_cache)
+      x, new_cache = block(x, positions, cache, read_cache, mask)
       if new_cache is not None:
         ks.append(new_cache[0])
         vs.append(new_cache[1])
@@ -287,17 +294,20 @@ def forward(graphdef, params: Params, tokens: jax.Array, hidden: bool = False):
 
 
 def forward_cached(graphdef, params: Params, tokens: jax.Array, kv: kv_cache.KVState,
-                   empty: bool = False, hidden: bool = False):
+                   empty: bool = False, hidden: bool = False, positions=None, mask=None):
   """Feeds tokens int[B, T] at each row's own `kv.length`; returns (logits, kv + T).
 
   empty=True promises every row's length is 0 (a prefill), so the cache is not read.
   hidden=True returns (logits, kv + T, features [B, T, d_model]).
+  Token trees pass their own `positions` int[B, T] (length - 1 + depth) and `mask`
+  (see `attend`); the T tokens are still written at slots length..length+T-1.
   """
   module = merge(graphdef, params)
   t = tokens.shape[1]
-  positions = kv.length[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+  if positions is None:
+    positions = kv.length[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
   logits, (ks, vs), *features = module(tokens, positions, kv, read_cache=not empty,
-                                       hidden=hidden)
+                                       hidden=hidden, mask=mask)
   kv = kv_cache.KVState(k=ks, v=vs, length=kv.length + t)
   return (logits, kv, features[0]) if hidden else (logits, kv)
 

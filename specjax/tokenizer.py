@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import numpy as np
 import tokenizers
@@ -130,7 +130,3 @@ def _bytes_to_unicode() -> dict[int, str]:
       n += 1
   return dict(zip(bs, map(chr, cs)))
 
-
-def iter_texts(paths: Iterable[Path]) -> Iterator[str]:
-  for p in paths:
-    yield Path(p).read_text(encoding="utf-8", errors="replace")

@@ -26,13 +26,14 @@ def smoke(tmp_path_factory):
 
 def test_smoke_sweep_writes_everything(smoke):
   cfg, workdir, rows = smoke
-  grid = (len(cfg.drafter) * len(cfg.gamma) * len(cfg.temperature) * len(cfg.top_p)
-          * len(cfg.batch_size))
+  grid = ((len(cfg.drafter) * len(cfg.gamma) + len(cfg.trees)) * len(cfg.temperature)
+          * len(cfg.top_p) * len(cfg.batch_size))
   assert len(rows) == grid
   on_disk = [json.loads(line) for line in (workdir / "results.jsonl").read_text().splitlines()]
   assert len(on_disk) == grid
   assert json.loads((workdir / "config.json").read_text())["gamma"] == list(cfg.gamma)
-  assert "| drafter |" in (workdir / "summary.md").read_text()
+  summary = (workdir / "summary.md").read_text()
+  assert "| drafter |" in summary and "tree (2,1)" in summary
   for name in plots.PLOTS:
     assert (workdir / name).stat().st_size > 1000, name
 
@@ -68,6 +69,9 @@ def test_rerun_skips_done_points(smoke):
     ("top_p", (0.0,), "config.top_p"),
     ("batch_size", (0,), "config.batch_size"),
     ("draft_sample", "top1", "config.draft_sample"),
+    ("trees", ((2, 0),), "config.trees"),
+    ("repetition_penalty", (0.0,), "config.repetition_penalty"),
+    ("no_repeat_ngram_size", (-1,), "config.no_repeat_ngram_size"),
 ])
 def test_bad_config_fails_at_once(tmp_path, field, value, message):
   cfg = sweep_config.get_config("smoke")

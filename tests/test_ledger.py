@@ -38,3 +38,15 @@ class LedgerTest(parameterized.TestCase):
     runs = np.minimum(rng.geometric(1 - alpha, rounds) - 1, gamma)
     accepted_at = [(runs > i).sum() for i in range(gamma)]
     self.assertAlmostEqual(ledger.alpha_from_positions(accepted_at, rounds), alpha, delta=0.005)
+
+
+def test_tree_expected_tokens():
+  from specjax import ledger, trees
+  chain = trees.Tree.from_branching((1, 1, 1, 1))
+  for alpha in (0.3, 0.7):
+    np.testing.assert_allclose(ledger.tree_expected_tokens(chain.parents, alpha),
+                               ledger.expected_tokens(alpha, 4))
+  wide = trees.Tree.from_branching((2, 2, 1, 1))
+  assert ledger.tree_expected_tokens(wide.parents, 0.6) > ledger.expected_tokens(0.6, 4)
+  # depth 1, two children: 1 + α + (1-α)α
+  np.testing.assert_allclose(ledger.tree_expected_tokens((-1, -1), 0.5), 1.75)

@@ -1,0 +1,279 @@
+"""Token trees: static shapes, tree drafting, one target pass over the tree, and the
+lossless walk down from the root.
+
+A `Tree` lists its N nodes breadth-first by parent index (-1: the root, which is the
+last committed token). `Tree.from_branching((k_1, ..., k_d))` gives every node at depth
+j-1 k_j children; `Tree.from_paths([(0,), (1,), (0, 0)])` takes Medusa-style choices
+(each a path of child ranks from the root). A chain of γ is `from_branching((1,) * γ)`.
+
+The walk (one row, `vmap`ped): at the current node the target's distribution p is tried
+against the children in order.
+  sampled children (i.i.d. draws from the draft's q at that node): recursive rejection
+  sampling. A child x is accepted with min(1, p(x)/q(x)); on a rejection
+  p <- normalise([p - q]_+) and the next child is tried against the new p.
+  deterministic children (the draft's top-k, distinct point masses): a child x is
+  accepted with probability p(x); on a rejection p(x) <- 0 and p is renormalised.
+If every child is rejected the token is drawn from what is left of p; accepting a child
+moves to it with that child's own p; at a leaf the bonus token is drawn from its p.
+Both node rules emit exactly p (docs/ARCHITECTURE.md says why; tests/test_trees.py
+checks it in float64 and by sampling). Treating top-k children as samples (min(1, p/q)
+with a one-hot q) would accept x with probability p(x) at each try, but then residual
+[p - onehot]_+ keeps x's other mass out only partly — that rule is not exact, and the
+float64 test shows it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import kv_cache
+from specjax import model as model_lib
+from specjax.drafters import ModelDrafter
+from specjax.sampling import sample
+from specjax.verify import residual
+
+
+@dataclasses.dataclass(frozen=True)
+class Tree:
+  parents: tuple[int, ...]  # breadth-first; -1 = the root
+
+  def __post_init__(self):
+    for i, p in enumerate(self.parents):
+      if not -1 <= p < i:
+        raise ValueError(f"tree node {i} has parent {p}: parents must come first")
+    if not self.parents:
+      raise ValueError("a tree needs at least one node")
+    if any(d1 > d2 for d1, d2 in zip(self.depths, self.depths[1:])):
+      raise ValueError("tree nodes must be listed depth by depth")
+
+  @classmethod
+  def from_branching(cls, branching) -> "Tree":
+    branching = tuple(branching)
+    if not branching or any(not isinstance(k, (int, np.integer)) or k < 1 for k in branching):
+      raise ValueError(f"tree branching factors must be ints >= 1, got {branching}")
+    parents, frontier = [], [-1]
+    for k in branching:
+      nxt = []
+      for p in frontier:
+        for _ in range(k):
+          parents.append(p)
+          nxt.append(len(parents) - 1)
+      frontier = nxt
+    return cls(tuple(parents))
+
+  @classmethod
+  def from_paths(cls, paths) -> "Tree":
+    """Medusa-style choices: each path lists child ranks from the root."""
+    paths = sorted({tuple(int(r) for r in p) for p in paths}, key=lambda p: (len(p), p))
+    if not paths or any(not p or min(p) < 0 for p in paths):
+      raise ValueError("tree paths must be non-empty tuples of child ranks >= 0")
+    index = {}
+    parents = []
+    for p in paths:
+      if len(p) > 1 and p[:-1] not in index:
+        raise ValueError(f"tree path {p} needs its parent path {p[:-1]} too")
+      index[p] = len(parents)
+      parents.append(index[p[:-1]] if len(p) > 1 else -1)
+    return cls(tuple(parents))
+
+  @functools.cached_property
+  def depths(self) -> tuple[int, ...]:
+    out = []
+    for p in self.parents:
+      out.append(1 if p < 0 else out[p] + 1)
+    return tuple(out)
+
+  @property
+  def num_nodes(self) -> int:
+    return len(self.parents)
+
+  @property
+  def depth(self) -> int:
+    return max(self.depths)
+
+  @functools.cached_property
+  def ranks(self) -> tuple[int, ...]:
+    """Each node's rank among its siblings (0 = first child)."""
+    seen, out = {}, []
+    for p in self.parents:
+      out.append(seen.get(p, 0))
+      seen[p] = out[-1] + 1
+    return tuple(out)
+
+  @functools.cached_property
+  def children(self) -> np.ndarray:
+    """int32[N+1, K]: children of the root (row 0) and of node i (row i+1); -1 pads."""
+    rows = [[] for _ in range(self.num_nodes + 1)]
+    for i, p in enumerate(self.parents):
+      rows[p + 1].append(i)
+    width = max(len(r) for r in rows)
+    return np.array([r + [-1] * (width - len(r)) for r in rows], np.int32)
+
+  @functools.cached_property
+  def ancestors(self) -> np.ndarray:
+    """bool[N+1, N+1] over [root, nodes]: column j is an ancestor of (or is) row i."""
+    n = self.num_nodes + 1
+    out = np.eye(n, dtype=bool)
+    out[:, 0] = True
+    for i, p in enumerate(self.parents):
+      out[i + 1] |= out[p + 1]
+    return out
+
+  @functools.cached_property
+  def levels(self) -> tuple[tuple[int, int], ...]:
+    """(first node, count) of each depth, breadth-first."""
+    out = []
+    for d in range(1, self.depth + 1):
+      idx = [i for i, x in enumerate(self.depths) if x == d]
+      out.append((idx[0], len(idx)))
+    return tuple(out)
+
+
+# ----------------------------------------------------------------------------
+# Drafting.
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeModelDrafter(ModelDrafter):
+  """The model drafter, growing a tree depth by depth: one cached pass per depth scores
+  the whole frontier with a tree mask. `gamma` is the tree's depth (positions that can be
+  accepted); the proposal is N node tokens with, per node, the q it was drawn from."""
+
+  tree: Tree | None = None
+
+  def _children(self, key, logits, sampling, k):
+    """k candidate children per frontier node: logits [B, F, V] -> [B, F, k], q [B, F, V]."""
+    q = sampling.process(logits)
+    if self.sample_mode == "greedy":
+      return jax.lax.top_k(logits, k)[1].astype(jnp.int32), q
+    keys = jax.random.split(key, k)
+    return jnp.stack([sample(kk, q) for kk in keys], axis=-1), q  # i.i.d. from q
+
+  def propose(self, params, kv, tokens, n, key, sampling):
+    tree = self.tree
+    logits, kv = self._catch_up(params, kv, tokens, n)  # kv.length = n: pending has KV
+    b, vocab = tokens.shape[0], logits.shape[-1]
+    node_tokens = jnp.zeros((b, tree.num_nodes), jnp.int32)
+    node_q = jnp.zeros((b, tree.num_nodes, vocab), jnp.float32)
+    frontier, frontier_nodes = logits[:, None], [-1]  # draft logits at the frontier
+    rel = jnp.arange(kv.size)[None, :] - n[:, None]  # [B, S]: slot - n = node index
+    strict = tree.ancestors[1:, 1:] & ~np.eye(tree.num_nodes, dtype=bool)
+    for level, (first, count) in enumerate(tree.levels):
+      key, sub = jax.random.split(key)
+      nodes = list(range(first, first + count))
+      where = [frontier_nodes.index(tree.parents[i]) for i in nodes]  # parent's column
+      width = max(tree.ranks[i] for i in nodes) + 1
+      cands, q = self._children(sub, frontier, sampling, width)  # [B, F, width]
+      ys = cands[:, where, [tree.ranks[i] for i in nodes]]  # [B, count]
+      node_tokens = node_tokens.at[:, first:first + count].set(ys)
+      node_q = node_q.at[:, first:first + count].set(q[:, where])
+      if level + 1 == len(tree.levels):
+        break
+      # Feed this level: node i at slot n + i, position n - 1 + depth; it sees the
+      # committed history and its own ancestors, never a sibling branch.
+      anc = jnp.asarray(strict[nodes])[:, jnp.clip(rel, 0, tree.num_nodes - 1)]  # [c, B, S]
+      sees = (rel < 0)[:, None, :] | ((rel < tree.num_nodes)[:, None, :]
+                                      & jnp.moveaxis(anc, 0, 1))
+      positions = jnp.broadcast_to(n[:, None] + level, (b, count))
+      frontier, step_kv = model_lib.forward_cached(
+          self.graphdef, params, ys, kv.rollback(n + first), positions=positions,
+          mask=(jnp.eye(count, dtype=bool), sees))
+      kv = step_kv.rollback(n)
+      frontier_nodes = nodes
+    return node_tokens, node_q, kv
+
+  def rollback(self, kv, n, features=None, start=None, path=None):
+    """Moves the accepted path's KV (nodes fed at slots start+1+i) to contiguous slots."""
+    if path is None:  # nothing accepted (cost measurements): the committed history only
+      return super().rollback(kv, n)
+    fed = min(self.tree.depth - 1, path.shape[1])
+    if fed:
+      src = start[:, None] + 1 + jnp.maximum(path[:, :fed], 0)
+      kv = compact(kv, src, start + 1, jnp.sum(path[:, :fed] >= 0, axis=1))
+      kv = kv.rollback(start + 1 + jnp.sum(path[:, :fed] >= 0, axis=1))
+    return kv.rollback(jnp.minimum(kv.length, n - 1))
+
+
+def _span(level):
+  first, count = level
+  return first, first + count
+
+
+def compact(kv: kv_cache.KVState, src, dst_start, count) -> kv_cache.KVState:
+  """KV of slots src[b, j] (j < count[b]) moved to dst_start[b] + j, every layer."""
+  def move(buf):
+    rows = jnp.arange(buf.shape[0])[:, None]
+    picked = buf[rows, :, jnp.clip(src, 0, buf.shape[2] - 1)]  # [B, J, H, D]
+    return kv_cache.write(buf, picked, dst_start, count)
+  return kv.replace(k=tuple(move(k) for k in kv.k), v=tuple(move(v) for v in kv.v))
+
+
+# ----------------------------------------------------------------------------
+# Verification.
+
+
+def walk(key, node_tokens, node_q, ps, tree: Tree, deterministic: bool):
+  """One row: (n_accepted, next_token, overlap[depth], path int32[depth] (-1 past a)).
+
+  ps [N+1, V]: the target's distribution at the root (row 0) and at node i (row i+1).
+  node_q [N, V]: the q node i was drawn from (its parent's draft distribution).
+  """
+  children = jnp.asarray(tree.children)
+  depth = tree.depth
+  keys = jax.random.split(key, depth * children.shape[1] + 1)
+  cur = jnp.int32(0)  # row of `ps` / `children`: 0 = root, i+1 = node i
+  alive = jnp.bool_(True)
+  dist = ps[0]
+  path = jnp.full((depth,), -1, jnp.int32)
+  overlap = jnp.zeros((depth,), jnp.float32)
+  n_accepted = jnp.int32(0)
+  for j in range(depth):
+    found = jnp.int32(-1)
+    first = children[cur, 0]
+    overlap = overlap.at[j].set(jnp.where(
+        alive & (first >= 0), jnp.sum(jnp.minimum(dist, node_q[jnp.maximum(first, 0)])), 0.0))
+    for r in range(children.shape[1]):
+      c = children[cur, r]
+      trying = alive & (c >= 0) & (found < 0)
+      x = node_tokens[jnp.maximum(c, 0)]
+      q = node_q[jnp.maximum(c, 0)]
+      u = jax.random.uniform(keys[j * children.shape[1] + r])
+      if deterministic:
+        accept = u < dist[x]
+        dropped = dist.at[x].set(0.0)
+        rejected = dropped / jnp.maximum(jnp.sum(dropped), 1e-30)
+      else:
+        accept = u * q[x] < dist[x]
+        rejected = residual(dist, q)
+      found = jnp.where(trying & accept, c, found)
+      dist = jnp.where(trying & ~accept, rejected, dist)
+    moved = alive & (found >= 0)
+    path = path.at[j].set(jnp.where(moved, found, -1))
+    n_accepted = n_accepted + moved.astype(jnp.int32)
+    cur = jnp.where(moved, found + 1, cur)
+    dist = jnp.where(moved, ps[jnp.where(moved, found + 1, 0)], dist)
+    alive = moved & (children[cur, 0] >= 0)  # a leaf ends the walk with a bonus
+  next_token = sample(keys[-1], dist)
+  return n_accepted, next_token, overlap, path
+
+
+walk_batch = jax.vmap(walk, in_axes=(0, 0, 0, 0, None, None))
+
+
+def verify_layout(tree: Tree, n):
+  """forward_cached's positions and mask for [pending, nodes] at length n - 1: each node
+  at position n - 1 + depth, seeing the committed history and its ancestors."""
+  depths = jnp.asarray((0,) + tree.depths, jnp.int32)
+  return dict(positions=(n - 1)[:, None] + depths[None, :],
+              mask=(jnp.asarray(tree.ancestors), None))
+
+
+def compact_path(kv: kv_cache.KVState, start, path, n_accepted) -> kv_cache.KVState:
+  """Target KV after a tree pass written at start (root) and start + 1 + i (node i):
+  the accepted nodes' KV moves to start + 1 + j, so the committed history is contiguous."""
+  return compact(kv, start[:, None] + 1 + jnp.maximum(path, 0), start + 1, n_accepted)

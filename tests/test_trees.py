@@ -1,0 +1,202 @@
+"""Token trees: exact node rules, the law of whole continuations, greedy equality, tree
+attention and KV compaction."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import parameterized
+
+import specjax
+from specjax import kv_cache
+from specjax import model as model_lib
+from specjax import trees
+from specjax.verify import residual
+from conftest import (PROMPTS, exact_continuations, greedy_oracle, target_and_draft, tempered,
+                      tiny_model)
+
+
+def node_law(p, q, children, rule):
+  """float64 law of the token a node emits (accepted child or final draw), given its
+  children's tokens, under 'sampled' (recursive rejection) or 'topk' (point masses).
+  'wrong' judges top-k children as if they were samples from q: min(1, p/q) and the
+  residual [p - q]_+ — the mistake the docs warn about."""
+  out = np.zeros_like(p)
+  reach = 1.0
+  dist = p.copy()
+  for x in children:
+    if rule in ("sampled", "wrong"):
+      a = min(1.0, dist[x] / q[x]) if q[x] > 0 else 1.0
+      out[x] += reach * a
+      reach *= 1 - a
+      dist = np.asarray(residual(jnp.asarray(dist), jnp.asarray(q)), np.float64)
+    else:
+      onehot = np.eye(len(p))[x]
+      a = dist[x]
+      out[x] += reach * a
+      reach *= 1 - a
+      dist = dist * (1 - onehot)
+      dist = dist / dist.sum() if dist.sum() > 0 else dist
+  return out + reach * dist
+
+
+class NodeRuleTest(parameterized.TestCase):
+
+  @parameterized.parameters(range(4))
+  def test_sampled_children_give_p(self, seed):
+    rng = np.random.default_rng(seed)
+    vocab, k = 4, 3
+    p, q = rng.dirichlet(np.ones(vocab) * 0.5), rng.dirichlet(np.ones(vocab) * 0.5)
+    law = np.zeros(vocab)
+    for draws in itertools.product(range(vocab), repeat=k):  # every i.i.d. draw from q
+      law += np.prod(q[list(draws)]) * node_law(p, q, draws, "sampled")
+    np.testing.assert_allclose(law, p, atol=1e-6)
+
+  @parameterized.parameters(range(4))
+  def test_topk_children_give_p_and_the_wrong_rule_does_not(self, seed):
+    rng = np.random.default_rng(seed)
+    p, q = rng.dirichlet(np.ones(6) * 0.5), rng.dirichlet(np.ones(6) * 0.5)
+    children = list(np.argsort(-q)[:3])  # the draft's top-3: point masses, not draws
+    np.testing.assert_allclose(node_law(p, q, children, "topk"), p, atol=1e-6)
+    wrong = node_law(p, q, children, "wrong")
+    self.assertGreater(np.abs(wrong - p).sum(), 1e-2)
+
+  def test_walk_samples_the_law(self):
+    """The jitted walk at one node (children are leaves) emits p: Monte Carlo bound."""
+    tree = trees.Tree.from_branching((3,))
+    rng = np.random.default_rng(7)
+    vocab, rows = 5, 40000
+    p, q = rng.dirichlet(np.ones(vocab)), rng.dirichlet(np.ones(vocab))
+    for deterministic in (False, True):
+      keys = jax.random.split(jax.random.PRNGKey(1), rows)
+      draft_keys = jax.random.split(jax.random.PRNGKey(2), rows)
+      if deterministic:
+        kids = jnp.broadcast_to(jnp.asarray(np.argsort(-q)[:3], jnp.int32), (rows, 3))
+      else:
+        kids = jax.vmap(lambda k: jax.random.categorical(k, jnp.log(jnp.asarray(q)), shape=(3,)))(
+            draft_keys).astype(jnp.int32)
+      ps = jnp.broadcast_to(jnp.asarray(p, jnp.float32), (rows, 4, vocab))
+      qs = jnp.broadcast_to(jnp.asarray(q, jnp.float32), (rows, 3, vocab))
+      a, nxt, _, path = jax.jit(trees.walk_batch, static_argnums=(4, 5))(
+          keys, kids, qs, ps, tree, deterministic)
+      first = np.where(np.asarray(a) > 0, np.take_along_axis(
+          np.asarray(kids), np.maximum(np.asarray(path), 0), 1)[:, 0], np.asarray(nxt))
+      freq = np.bincount(first, minlength=vocab) / rows
+      bound = 5 * np.sqrt(p * (1 - p) / rows) + 1e-3
+      self.assertTrue(np.all(np.abs(freq - p) <= bound), (deterministic, freq, p))
+
+
+class LawTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("sampled_22_T1", (2, 2), "probabilistic", 1.0, 1.0),
+      ("topk_211_T08_topp", (2, 1, 1), "greedy", 0.8, 0.9),
+      ("sampled_paths_T08", [(0,), (1,), (0, 0), (1, 0), (1, 1)], "probabilistic", 0.8, 1.0),
+      ("chain_as_tree", (1, 1, 1), "probabilistic", 1.0, 1.0))
+  def test_three_token_law(self, tree, mode, temperature, top_p):
+    target, draft = target_and_draft()
+    prompt, length, rows = [3, 1, 3], 3, 12000
+    res = specjax.generate(target, [prompt] * rows, max_new_tokens=length, draft=draft,
+                           tree=tree, draft_sample=mode, temperature=temperature,
+                           top_p=top_p, seed=4)
+    model = target if temperature == 1.0 else tempered(target, temperature)
+    conts, probs = exact_continuations(model, prompt, length)
+    if top_p < 1.0:  # the exact law under top-p, position by position
+      probs = _top_p_law(model, prompt, conts, top_p)
+    outs = np.array(res.tokens)
+    counts = np.bincount(np.ravel_multi_index(outs.T, (8,) * length), minlength=8 ** length)
+    sd = np.sqrt(rows * probs * (1 - probs))
+    worst = np.max(np.abs(counts - rows * probs) / (sd + 1e-12))
+    self.assertTrue(np.all(np.abs(counts - rows * probs) <= 5 * sd + 1), f"worst z={worst}")
+    self.assertLess(res.stats["acceptance_rate"], 0.95)  # the draft disagreed
+
+
+def _top_p_law(model, prompt, conts, top_p):
+  seqs = np.concatenate([np.tile(prompt, (len(conts), 1)), conts], axis=1)
+  logits = np.asarray(model.logits(jnp.asarray(seqs)), np.float64)
+  probs = np.ones(len(conts))
+  for i in range(conts.shape[1]):
+    row = logits[:, len(prompt) - 1 + i]
+    p = np.exp(row - row.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    order = np.argsort(-p, axis=1)
+    sorted_p = np.take_along_axis(p, order, 1)
+    keep_sorted = (np.cumsum(sorted_p, 1) - sorted_p) < top_p
+    keep = np.zeros_like(keep_sorted)
+    np.put_along_axis(keep, order, keep_sorted, 1)
+    p = np.where(keep, p, 0)
+    p /= p.sum(axis=1, keepdims=True)
+    probs *= p[np.arange(len(conts)), conts[:, i]]
+  return probs
+
+
+class GreedyTest(parameterized.TestCase):
+
+  @parameterized.parameters(((2, 2, 1), "greedy"), ((2, 2, 1), "probabilistic"),
+                            ((4, 2, 1, 1), "greedy"), ((3,), "probabilistic"),
+                            ([(0,), (1,), (0, 0), (0, 1), (1, 0)], "greedy"))
+  def test_equals_target_greedy(self, tree, mode):
+    target = tiny_model(vocab=16, n_layers=2, seed=3, sharpness=1.5)
+    draft = tiny_model(vocab=16, d_model=16, seed=8, sharpness=1.5)
+    res = specjax.generate(target, PROMPTS, max_new_tokens=12, draft=draft, tree=tree,
+                           draft_sample=mode)
+    for prompt, out in zip(PROMPTS, res.tokens):
+      self.assertEqual(out, greedy_oracle(target, prompt, 12))
+
+
+class TreeAttentionTest(parameterized.TestCase):
+
+  def _setup(self):
+    target = tiny_model(vocab=16, n_layers=2, seed=3, llama=True, n_heads=4, n_kv_heads=2)
+    tree = trees.Tree.from_branching((2, 2))
+    prompt = np.array([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]], np.int32)
+    nodes = np.array([[11, 12, 13, 14, 15, 1], [2, 3, 4, 5, 6, 7]], np.int32)
+    kv = kv_cache.init_kv(target.config, 2, 32)
+    _, kv = model_lib.forward_cached(target.graphdef, target.params, jnp.asarray(prompt[:, :4]),
+                                     kv)
+    n = jnp.asarray([5, 5])
+    chunk = jnp.concatenate([jnp.asarray(prompt[:, 4:]), jnp.asarray(nodes)], axis=1)
+    logits, kv = model_lib.forward_cached(target.graphdef, target.params, chunk, kv,
+                                          **trees.verify_layout(tree, n))
+    return target, tree, prompt, nodes, logits, kv
+
+  def test_every_node_sees_its_path(self):
+    target, tree, prompt, nodes, logits, _ = self._setup()
+    for b in range(2):
+      for i in range(tree.num_nodes):
+        path, node = [], i
+        while node >= 0:
+          path.insert(0, int(nodes[b, node]))
+          node = tree.parents[node]
+        full = target.logits(jnp.asarray([list(prompt[b]) + path]))[0, -1]
+        np.testing.assert_allclose(logits[b, i + 1], full, atol=1e-4)
+
+  def test_compaction_equals_a_fresh_prefill(self):
+    target, tree, prompt, nodes, _, kv = self._setup()
+    path = jnp.asarray([[1, 4], [0, 2]])  # node 1 -> its first child (4); node 0 -> 2
+    kv = trees.compact_path(kv, jnp.asarray([4, 4]), path, jnp.asarray([2, 2]))
+    committed = np.concatenate([prompt, np.take_along_axis(nodes, np.asarray(path), 1)], 1)
+    fresh = kv_cache.init_kv(target.config, 2, 32)
+    _, fresh = model_lib.forward_cached(target.graphdef, target.params, jnp.asarray(committed),
+                                        fresh)
+    for a, b in zip(kv.k + kv.v, fresh.k + fresh.v):
+      np.testing.assert_allclose(a[:, :, :7], b[:, :, :7], atol=1e-5)
+
+
+class BadInputTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("zero_branch", dict(tree=(2, 0)), "branching"),
+      ("bad_paths", dict(tree=[(0, 1)]), "parent path"),
+      ("ngram", dict(tree=(2, 2), drafter="ngram"), "chains only"),
+      ("gamma_disagrees", dict(tree=(2, 2), gamma=3), "depth 2"),
+      ("processors", dict(tree=(2, 2), repetition_penalty=1.2), "tree= works"),
+      ("not_a_tree", dict(tree="wide"), "branching factors"))
+  def test_raises(self, kw, message):
+    target, draft = target_and_draft()
+    kw = dict(kw)
+    if kw.get("drafter") != "ngram":
+      kw["draft"] = draft
+    with self.assertRaisesRegex(ValueError, message):
+      specjax.generate(target, [[1, 2]], max_new_tokens=4, **kw)
