@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from experiments.model_card import heldout_windows
+from specjax import data
 from specjax import decode as decode_lib
 from specjax import generation, heads, pretrained, train_heads
 
@@ -29,6 +29,13 @@ _PROMPTS = flags.DEFINE_integer("prompts", 16, "Held-out prompts for the decode 
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 64, "Tokens per prompt.")
 _NEW = flags.DEFINE_integer("max_new", 64, "New tokens per prompt.")
 flags.mark_flags_as_required(["head", "out"])
+
+
+def heldout_windows(tokenizer, seq_len: int, num_windows: int) -> np.ndarray:
+  """The windows of `experiments.model_card.heldout_windows` (not imported: its flags)."""
+  corpus = data.load_corpus(data.STDLIB, heldout_fraction=0.05)
+  stream = data.token_stream(tokenizer, corpus.read("heldout"))
+  return data.eval_windows(stream, seq_len, num_windows)
 
 
 def decode_stats(target, prompts, gamma, temperature, head=None, draft=None, seed=0):
@@ -50,6 +57,10 @@ def main(argv):
   del argv
   target = pretrained.load_pretrained("stdlib-target")
   trained = heads.load_head(_HEAD.value)
+  if trained.metadata.get("target") != "stdlib-target":
+    raise ValueError(f"{_HEAD.value} was not trained on stdlib-target")
+  # The print of the target it was trained on, by this code's `target_fingerprint`.
+  trained.target_fingerprint = heads.target_fingerprint(target.config, target.params)
   trained.check_target(target)
   heads.save_head(_OUT.value, trained, dtype="bfloat16")
   head = heads.load_head(_OUT.value)  # measure exactly what ships

@@ -187,30 +187,19 @@ def medusa_apply(hc: HeadConfig, params, features):
 # Which target a head belongs to.
 
 
-def _config_fields(cfg: ModelConfig) -> dict[str, Any]:
-  """Fields that differ from their defaults: fields added later do not change a print."""
-  out = {}
-  for f in dataclasses.fields(cfg):
-    value = getattr(cfg, f.name)
-    if value != f.default:
-      out[f.name] = list(map(list, value)) if f.name == "rope_scaling" else value
-  return out
-
-
 def target_fingerprint(config: ModelConfig, params) -> str:
-  """A short hash of a target's architecture and a few of its weights.
+  """A short hash of the target weights a head reads: embedding, final norm, LM head.
 
-  The weights hashed are the embedding, final norm, LM head and the last block, rounded
-  to bfloat16 first, so a float32 target and its bfloat16 export print the same.
+  Values are rounded to bfloat16 first, so a float32 target and its bfloat16 export print
+  the same. The architecture is not hashed (`Head.check_target` compares it field by
+  field), so a refactor of `ModelConfig` does not orphan trained heads.
   """
-  h = hashlib.sha256(json.dumps(_config_fields(config), sort_keys=True).encode())
-  last = f"blocks/{config.n_layers - 1}/"
-  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-    key = checkpoint_lib._key(path)
-    if key.split("/")[0] in SHARED or key.startswith(last):
-      arr = np.asarray(jax.device_get(leaf), np.float32).astype(jnp.bfloat16)
-      h.update(key.encode())
-      h.update(arr.view(np.uint16).tobytes())
+  del config  # the shapes of the hashed weights carry d_model and the vocabulary
+  h = hashlib.sha256()
+  for path, leaf in jax.tree_util.tree_flatten_with_path(shared_params(params))[0]:
+    arr = np.asarray(jax.device_get(leaf), np.float32).astype(jnp.bfloat16)
+    h.update(f"{checkpoint_lib._key(path)}{arr.shape}".encode())
+    h.update(arr.view(np.uint16).tobytes())
   return h.hexdigest()[:20]
 
 
@@ -248,8 +237,8 @@ class Head:
       if getattr(want, name) != getattr(got, name):
         raise ValueError(f"{self.kind} head was trained for a target with {name} "
                          f"{getattr(want, name)}; this target has {getattr(got, name)}")
-    diff = sorted(k for k in set(_config_fields(want)) | set(_config_fields(got))
-                  if getattr(want, k, None) != getattr(got, k, None))
+    diff = [f.name for f in dataclasses.fields(want)
+            if getattr(want, f.name) != getattr(got, f.name, None)]
     if diff:
       raise ValueError(f"{self.kind} head was trained for a different target architecture "
                        f"(differs in {', '.join(diff)})")
