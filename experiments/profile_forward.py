@@ -2,45 +2,80 @@ r"""Where the time of a cached forward goes, per op, for T new tokens; and v(γ)
 
   python -m experiments.profile_forward                     # stdlib-target, cache 256
   python -m experiments.profile_forward --tokens=1,2,5,9 --pairs=9 --max_gamma=8
+  python -m experiments.profile_forward --rowwise_max_rows=0   # the engine before #17
 
-Every piece of one layer (qkv projection, attention over the cache, the KV write, the
-out projection, the MLP) and of the top (LM head, `process_logits`) is timed alone in
-its own jitted `lax.fori_loop`, fed the real weights at the real shapes, with the
-cache buffers carried through the loop as the decode loop carries them. `whole` is
-the full cached forward, timed exactly as `specjax.costs.forward_cost` times it; `rest`
-= whole − the sum of the pieces (norms, RoPE, embedding, residuals, the loop itself).
+Three tables, each from paired, interleaved timing (the machine is shared: nothing here
+is a ratio of two separate runs; each ratio is the median of per-round ratios, with its
+min and max):
 
-The machine is shared, so nothing here is a ratio of two separate passes: each round
-times every (piece, T) once, and T = 1 is timed right before every other T of the same
-piece; each ratio is the median of the per-round ratios, with its min and max.
+1. In situ: the whole cached forward (the loop of `specjax.costs.forward_cost`) run
+   under `jax.profiler` with XLA:CPU's per-thunk trace events, each thunk assigned to a
+   piece by the shapes of its operands (qkv / out projection, MLP up / down, LM head,
+   attention dots over the cache, cache masking and copies, the KV write, the rest).
+   This is where the time really goes: weights arrive cold, as in decoding.
+2. In isolation: each piece alone in its own jitted `lax.fori_loop` over all layers'
+   weights (the cache buffers carried as the decode loop carries them), plus
+   `process_logits`, which the verify pass runs after the forward. Weights stay warmer
+   here than in the whole pass. T = 1 is timed right before every other T.
+3. v(γ) = (γ+1)-token pass / 1-token step for γ = 1..max_gamma, with achieved GFLOP/s,
+   each pass paired with a 1-token step; with --compare, also paired with the same pass
+   with row-by-row projections off; and the per-token cost of a long pass (the
+   compute-bound floor of one more verify token).
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import os
 import platform
+import re
 import statistics
+import tempfile
 import time
 
-from absl import app
-from absl import flags
-import jax
-import jax.numpy as jnp
+# Per-thunk trace events must be switched on before XLA starts (appended, never replacing
+# what the user set).
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_cpu_enable_xprof_traceme=true").strip()
 
-from specjax import kv_cache
-from specjax import model as model_lib
-from specjax import sampling
-from specjax.pretrained import load_pretrained
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from specjax import kv_cache  # noqa: E402
+from specjax import model as model_lib  # noqa: E402
+from specjax import sampling  # noqa: E402
+from specjax.pretrained import load_pretrained  # noqa: E402
 
 _TARGET = flags.DEFINE_string("target", "stdlib-target", "Model name or directory.")
 _CACHE = flags.DEFINE_integer("cache_size", 256, "KV slots per row.")
 _CONTEXT = flags.DEFINE_integer("context", 128, "Valid history per row when timed.")
 _BATCH = flags.DEFINE_integer("batch", 1, "Rows.")
-_TOKENS = flags.DEFINE_list("tokens", ["1", "2", "5", "9"], "T values of the per-op table.")
+_TOKENS = flags.DEFINE_list("tokens", ["1", "2", "5", "9"], "T values of the per-op tables.")
 _MAX_GAMMA = flags.DEFINE_integer("max_gamma", 8, "v(γ) for γ = 1..max_gamma.")
 _ITERS = flags.DEFINE_integer("iters", 64, "Calls per timed loop.")
 _PAIRS = flags.DEFINE_integer("pairs", 7, "Timed rounds after one warm-up round.")
-_OPS = flags.DEFINE_bool("ops", True, "Print the per-op table.")
+_TRACE = flags.DEFINE_bool("trace", True, "Print the in-situ per-op table (jax.profiler).")
+_OPS = flags.DEFINE_bool("ops", True, "Print the per-op table of pieces timed alone.")
+_COMPARE = flags.DEFINE_bool("compare", True, "Pair every pass with row-by-row projections "
+                             "off (model.CPU_ROWWISE_MAX_ROWS = 0, the engine before #17).")
+_ROWWISE = flags.DEFINE_integer("rowwise_max_rows", None, "Override "
+                                "model.CPU_ROWWISE_MAX_ROWS for everything timed.")
+_FLOOR = flags.DEFINE_integer("floor_tokens", 64, "Also time a pass of this many tokens "
+                              "(per-token cost at full GEMM throughput); 0: skip.")
+
+
+@contextlib.contextmanager
+def rowwise_max(rows: int):
+  """Traces inside the block use `model.CPU_ROWWISE_MAX_ROWS = rows` (timers compile here)."""
+  saved = model_lib.CPU_ROWWISE_MAX_ROWS
+  model_lib.CPU_ROWWISE_MAX_ROWS = rows
+  try:
+    yield
+  finally:
+    model_lib.CPU_ROWWISE_MAX_ROWS = saved
 
 
 def cpu_model() -> str:
@@ -52,7 +87,7 @@ def cpu_model() -> str:
 
 
 def timed_loop(body, carry, iters):
-  """A () -> seconds-per-iteration timer of `iters` calls of body(carry) -> carry, jitted."""
+  """(jitted loop, () -> seconds per iteration) for `iters` calls of body(carry) -> carry."""
   loop = jax.jit(lambda c: jax.lax.fori_loop(0, iters, lambda _, c: body(c), c))
   jax.block_until_ready(loop(carry))  # compile + warm
 
@@ -60,6 +95,7 @@ def timed_loop(body, carry, iters):
     start = time.perf_counter()
     jax.block_until_ready(loop(carry))
     return (time.perf_counter() - start) / iters
+  run.loop, run.carry = loop, carry
   return run
 
 
@@ -72,64 +108,158 @@ def forward_timer(model, batch, t, context, cache_size, iters):
   def body(carry):
     kv, tokens = carry
     logits, new_kv = model_lib.forward_cached(graphdef, model.params, tokens, kv)
+    # Feeding back the argmax keeps each call dependent on the previous one.
     return new_kv.rollback(kv.length), jnp.argmax(logits, -1).astype(jnp.int32)
   return timed_loop(body, (kv, jnp.zeros((batch, t), jnp.int32)), iters)
 
 
 def piece_timers(model, batch, t, context, cache_size, iters):
-  """{piece: timer} for one layer's pieces and the top of the model, at T = t."""
+  """{piece: timer} for the pieces of a forward at T = t, each over all layers' weights."""
   cfg = model.config
   module = model_lib.merge(model.graphdef, model.params)
-  block = module.blocks[0]
+  blocks = list(module.blocks)
   h, kvh, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
   x0 = jax.random.normal(jax.random.PRNGKey(0), (batch, t, cfg.d_model), jnp.float32)
   length = jnp.full((batch,), context, jnp.int32)
-  buf = jax.random.normal(jax.random.PRNGKey(1), (batch, kvh, cache_size, d), jnp.float32)
+  bufs = tuple(jax.random.normal(jax.random.PRNGKey(i), (batch, kvh, cache_size, d))
+               for i in range(2 * len(blocks)))
   fold = lambda x, y: x + 1e-3 * y[..., : x.shape[-1]]  # keeps each call dependent
 
-  def split_qkv(x):
-    # Stand-ins for q, k, v built from the carry (the projection is timed on its own).
-    q = jnp.tile(x, (1, 1, -(-h * d // cfg.d_model)))[..., : h * d].reshape(batch, t, h, d)
-    kv = x[..., : kvh * d].reshape(batch, t, kvh, d) if kvh * d <= cfg.d_model else \
-        q[:, :, :kvh]
+  def stand_ins(x):
+    # q, k, v made from the carry (the projection is timed on its own).
+    reps = -(-h * d // cfg.d_model)
+    q = jnp.tile(x, (1, 1, reps))[..., : h * d].reshape(batch, t, h, d)
+    kv = jnp.tile(x, (1, 1, reps))[..., : kvh * d].reshape(batch, t, kvh, d)
     return q, kv, kv
 
-  def attention(carry):
-    x, k_buf, v_buf = carry
-    q, k, v = split_qkv(x)
-    out = model_lib.attend(q, k, v, (k_buf, v_buf, length))
+  def over_layers(fn):
+    def body(carry):
+      for i, block in enumerate(blocks):
+        carry = fn(block, i, carry)
+      return carry
+    return body
+
+  def attention(block, i, carry):
+    x, bufs = carry
+    q, k, v = stand_ins(x)
+    out = model_lib.attend(q, k, v, (bufs[2 * i], bufs[2 * i + 1], length))
     # Touch one slot past the history so the buffers are loop-variant (as in decoding).
-    k_buf = k_buf.at[:, :, -1, :1].set(out[:, 0, None, :1])
-    return fold(x, out), k_buf, v_buf
+    k_buf = bufs[2 * i].at[:, :, -1, :1].set(out[:, 0, None, :1])
+    return fold(x, out), bufs[:2 * i] + (k_buf,) + bufs[2 * i + 1:]
 
-  def kv_write(carry):
-    x, k_buf, v_buf = carry
-    _, k, v = split_qkv(x)
-    k_buf = kv_cache.write(k_buf, k, length)
-    v_buf = kv_cache.write(v_buf, v, length)
-    return x + 1e-3 * k_buf[:, :1, :t, :1].reshape(batch, t, 1), k_buf, v_buf
+  def kv_write(block, i, carry):
+    x, bufs = carry
+    _, k, v = stand_ins(x)
+    k_buf = kv_cache.write(bufs[2 * i], k, length)
+    v_buf = kv_cache.write(bufs[2 * i + 1], v, length)
+    x = x + 1e-3 * k_buf[:, :1, :t, :1].reshape(batch, t, 1)
+    return x, bufs[:2 * i] + (k_buf, v_buf) + bufs[2 * i + 2:]
 
+  head = module.embed.attend if cfg.tie_embeddings else module.lm_head
+  logits0 = head(x0).astype(jnp.float32)
   temperature = jnp.ones((batch,), jnp.float32)
   top_k, top_p = jnp.zeros((batch,), jnp.int32), jnp.ones((batch,), jnp.float32)
   pieces = {
-      "qkv projection": (lambda x: fold(x, block.attn.qkv(x)), x0),
-      "attention (read)": (attention, (x0, buf, buf)),
-      "KV write (k and v)": (kv_write, (x0, buf, buf)),
-      "out projection": (lambda x: fold(x, block.attn.out(x)), x0),
-      "MLP": (lambda x: fold(x, block.mlp(x)), x0),
+      "qkv projection": (over_layers(lambda b, i, x: fold(x, b.attn.qkv(x))), x0),
+      "attention over the cache": (over_layers(attention), (x0, bufs)),
+      "KV write (k and v)": (over_layers(kv_write), (x0, bufs)),
+      "out projection": (over_layers(lambda b, i, x: fold(x, b.attn.out(x))), x0),
+      "MLP (up, SwiGLU, down)": (over_layers(lambda b, i, x: fold(x, b.mlp(x))), x0),
+      "LM head": (lambda x: fold(x, model_lib.rowwise(head, x)), x0),
+      "process_logits (T=1.0)": (
+          lambda z: z + 1e-3 * sampling.process_logits(z, temperature, top_k, top_p), logits0),
+      "empty loop step": (lambda x: x * 0.999, x0),
   }
-  per_layer = set(pieces)
-  if cfg.tie_embeddings:
-    head = lambda x: module.embed.attend(x)
-  else:
-    head = lambda x: module.lm_head(x)
-  logits0 = head(x0).astype(jnp.float32)
-  pieces["LM head"] = (lambda x: fold(x, head(x)), x0)
-  pieces["process_logits (T=1.0)"] = (
-      lambda z: z + 1e-3 * sampling.process_logits(z, temperature, top_k, top_p), logits0)
-  pieces["loop alone"] = (lambda x: x * 0.999, x0)
-  timers = {name: timed_loop(body, carry, iters) for name, (body, carry) in pieces.items()}
-  return timers, {name: cfg.n_layers if name in per_layer else 1 for name in pieces}
+  return {name: timed_loop(body, carry, iters) for name, (body, carry) in pieces.items()}
+
+
+# ----------------------------------------------------------------------------
+# In-situ profile: XLA:CPU thunks of the whole forward, assigned to pieces by shape.
+
+_INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\([^=]*?\)|\S+) (\w[\w-]*)\((.*)$")
+_DIMS = re.compile(r"\[([\d,]*)\]")
+
+
+def _dims(shape: str) -> tuple[int, ...]:
+  m = _DIMS.search(shape)
+  return tuple(int(x) for x in m.group(1).split(",") if x) if m else ()
+
+
+def classify_thunks(hlo_text: str, cfg, cache_size: int) -> dict[str, str]:
+  """{instruction name: piece} for the instructions of a compiled forward loop."""
+  shapes, instrs, comps, comp = {}, {}, collections.defaultdict(list), None
+  for line in hlo_text.splitlines():
+    if line and not line.startswith(" ") and "{" in line:
+      comp = line.split(" ")[0].lstrip("%")
+      for name, shape in re.findall(r"([\w.\-]+): (\w+\[[\d,]*\])", line):
+        shapes[name] = shape
+      continue
+    m = _INSTR.match(line)
+    if m:
+      name, shape, op, rest = m.groups()
+      shapes[name] = shape
+      instrs[name] = (op, shape, rest)
+      comps[comp].append(name)
+  d, width = cfg.d_model, cfg.n_heads * cfg.head_dim
+  weights = {
+      frozenset({d, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim}): "qkv projection",
+      frozenset({d, cfg.d_ff * (2 if cfg.mlp == "swiglu" else 1)}): "MLP up",
+      frozenset({cfg.d_ff, d}): "MLP down",
+      frozenset({width, d}): "out projection",
+      frozenset({cfg.vocab_size, d}): "LM head",
+  }
+
+  def dot_piece(rest):
+    operands = re.findall(r"%([\w.\-]+)", rest.split(")")[0])
+    for operand in operands:
+      dims = _dims(shapes.get(operand, ""))
+      if len(dims) == 2 and frozenset(dims) in weights:
+        return weights[frozenset(dims)]
+    return "attention dots"
+
+  def piece(name):
+    op, shape, rest = instrs[name]
+    called = re.search(r"calls=%([\w.\-]+)", rest)
+    inner = comps.get(called.group(1), []) if called else []
+    for sub in [name] + inner:
+      sop, _, srest = instrs[sub]
+      if sop == "dot":
+        return dot_piece(srest)
+    if op in ("scatter", "dynamic-update-slice") or "scatter" in name or \
+        "dynamic-update-slice" in name:
+      return "KV write"
+    if cache_size in _dims(shape) and op in ("fusion", "copy", "transpose"):
+      return "attention: masks, softmax, copies over the slots"
+    return "rest (norms, RoPE, softmax, residuals, small ops)"
+  return {name: piece(name) for name in instrs}
+
+
+def in_situ(timer, piece_of, iters, rounds=1):
+  """{piece: median seconds per forward} from the per-thunk trace events of `timer`."""
+  with tempfile.TemporaryDirectory() as logdir:
+    with jax.profiler.trace(logdir):
+      for _ in range(rounds):
+        timer()
+    paths = [os.path.join(root, f) for root, _, files in os.walk(logdir) for f in files
+             if f.endswith(".xplane.pb")]
+    data = jax.profiler.ProfileData.from_file(paths[0])
+  durations = collections.defaultdict(list)
+  for plane in data.planes:
+    for line in plane.lines:
+      for event in line.events:
+        if event.name in piece_of:
+          durations[event.name].append(event.duration_ns * 1e-9)
+  calls = rounds * iters
+  out = collections.defaultdict(float)
+  for name, ds in durations.items():
+    # Median duration x executions per forward: robust to a neighbour taking the core.
+    out[piece_of[name]] += statistics.median(ds) * len(ds) / calls
+  return out
+
+
+def ratio_text(num, den):
+  r = [a / b for a, b in zip(num, den)]
+  return f"{statistics.median(r):.2f} ({min(r):.2f}-{max(r):.2f})"
 
 
 def forward_flops(cfg, t, context):
@@ -141,81 +271,132 @@ def forward_flops(cfg, t, context):
   return 2.0 * per_token * t
 
 
-def ratio_text(num, den):
-  r = [a / b for a, b in zip(num, den)]
-  return f"{statistics.median(r):.2f} ({min(r):.2f}-{max(r):.2f})"
+def print_table(title, rows, ts, times, t1_of):
+  """rows: names; times[name, t]: samples; t1_of(name, t): the T=1 samples paired with t."""
+  print(f"{title}\n\n| piece | " + " | ".join(f"T={t} ms" for t in ts) + " | "
+        + " | ".join(f"T={t} / T=1" for t in ts[1:]) + " |")
+  print("|---" * (2 * len(ts)) + "|")
+  for name in rows:
+    cells = [f"{statistics.median(times[name, t]) * 1e3:.3f}" for t in ts]
+    ratios = [ratio_text(times[name, t], t1_of(name, t)) for t in ts[1:]]
+    print(f"| {name} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+  print()
 
 
 def main(argv):
   del argv
+  if _ROWWISE.value is not None:
+    model_lib.CPU_ROWWISE_MAX_ROWS = _ROWWISE.value
   model = load_pretrained(_TARGET.value)
   cfg, batch, iters, pairs = model.config, _BATCH.value, _ITERS.value, _PAIRS.value
   context, cache = _CONTEXT.value, _CACHE.value
+  ts = sorted({int(t) for t in _TOKENS.value} | {1})
   print(f"cpu: {cpu_model()} (platform.processor()={platform.processor()!r}, "
         f"{os.cpu_count()} cores); jax {jax.__version__} on {jax.default_backend()}; "
         f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
   print(f"{_TARGET.value}: {model.num_params / 1e6:.2f}M params, batch {batch}, cache "
         f"{cache} slots, context {context}; medians of {pairs} interleaved rounds, "
-        f"{iters} calls per timed loop\n")
+        f"{iters} calls per timed loop; row-by-row projections for 2.."
+        f"{model_lib.CPU_ROWWISE_MAX_ROWS} rows\n")
+
+  if _TRACE.value:
+    # Each round traces one loop per T, T = 1 first.
+    traced = {}
+    for t in ts:
+      timer = forward_timer(model, batch, t, context, cache, iters)
+      hlo = timer.loop.lower(timer.carry).compile().as_text()
+      traced[t] = timer, classify_thunks(hlo, cfg, cache)
+    rounds = {t: [] for t in ts}
+    for i in range(pairs + 1):
+      for t in ts:
+        profile = in_situ(*traced[t], iters)
+        if i:
+          rounds[t].append(profile)
+    names = sorted({name for t in ts for r in rounds[t] for name in r},
+                   key=lambda n: -statistics.median(r.get(n, 0.0) for r in rounds[1]))
+    times = {(name, t): [r.get(name, 0.0) for r in rounds[t]] for name in names for t in ts}
+    for t in ts:
+      times["sum of thunks", t] = [sum(r.values()) for r in rounds[t]]
+    print_table("In situ (thunk times inside the whole forward, per forward):",
+                names + ["sum of thunks"], ts, times, lambda name, t: times[name, 1])
 
   if _OPS.value:
-    ts = sorted({int(t) for t in _TOKENS.value} | {1})
-    timers, mult = {}, {}
+    timers = {}
     for t in ts:
-      pieces, mult = piece_timers(model, batch, t, context, cache, iters)
+      pieces = piece_timers(model, batch, t, context, cache, iters)
       pieces["whole forward"] = forward_timer(model, batch, t, context, cache, iters)
       for name, timer in pieces.items():
         timers[name, t] = timer
     names = list(dict.fromkeys(name for name, _ in timers))
-    mult["whole forward"] = 1
     times = {key: [] for key in timers}
     for i in range(pairs + 1):
       for name in names:
         for t in ts[1:]:
           for key in ((name, 1), (name, t)):  # T = 1 right before each T: the pair
-            s = timers[key]() * mult[name]
+            s = timers[key]()
             if i:
               times[key].append(s)
-    med = {key: statistics.median(v) for key, v in times.items()}
-    print("| piece (per forward) | " + " | ".join(f"T={t} ms" for t in ts) + " | "
-          + " | ".join(f"T={t} / T=1" for t in ts[1:]) + " |")
-    print("|---" * (2 * len(ts)) + "|")
-    for name in names:
-      # T = 1 ran as the first half of every pair: t1[k::n] are the samples paired with T_k.
-      t1, n = times[name, 1], len(ts) - 1
-      ratios = [ratio_text(times[name, t], t1[k::n]) for k, t in enumerate(ts[1:])]
-      print(f"| {name} | " + " | ".join(f"{med[name, t] * 1e3:.3f}" for t in ts) + " | "
-            + " | ".join(ratios) + " |")
-    parts = [name for name in names
-             if name not in ("whole forward", "loop alone") and not name.startswith("process")]
-    rest = [med["whole forward", t] - sum(med[name, t] for name in parts) for t in ts]
-    print("| rest (whole - pieces) | " + " | ".join(f"{r * 1e3:.3f}" for r in rest) + " |"
-          + " |" * n)
-    print("\nPer-layer pieces are one layer's time x n_layers. Each row includes one empty "
-          "loop step ('loop alone'). process_logits runs after the forward (verify), so it "
-          "is not part of 'whole forward'.\n")
+    n = len(ts) - 1
+    # T = 1 ran as the first half of every pair: samples k, k + n, ... go with ts[1:][k].
+    print_table("Each piece alone (all layers, per forward; every row includes one empty "
+                "loop step; process_logits runs after the forward):", names, ts, times,
+                lambda name, t: times[name, 1][ts.index(t) - 1::n])
 
-  # v(γ): the 1-token step right before each (γ+1)-token pass, every round.
+  # v(γ): the 1-token step right before each (γ+1)-token pass, every round; with
+  # --compare, the same pair again with row-by-row projections off (the old engine).
   gammas = list(range(1, _MAX_GAMMA.value + 1))
-  fwd = {t: forward_timer(model, batch, t, context, cache, iters) for t in [1] + [g + 1 for g in gammas]}
-  one, many = {g: [] for g in gammas}, {g: [] for g in gammas}
+  sides = ["now"] + (["off"] if _COMPARE.value else [])
+  fwd = {}
+  for side in sides:
+    with rowwise_max(0 if side == "off" else model_lib.CPU_ROWWISE_MAX_ROWS):
+      for t in [1] + [g + 1 for g in gammas]:
+        fwd[side, t] = forward_timer(model, batch, t, context, cache, iters)
+  one = {(side, g): [] for side in sides for g in gammas}
+  many = {(side, g): [] for side in sides for g in gammas}
   for i in range(pairs + 1):
     for g in gammas:
-      a, b = fwd[1](), fwd[g + 1]()
-      if i:
-        one[g].append(a)
-        many[g].append(b)
-  step = [s for g in gammas for s in one[g]]
-  t1 = statistics.median(step)
-  print(f"1-token step: {t1 * 1e3:.3f} ms (min {min(step) * 1e3:.3f}, max "
-        f"{max(step) * 1e3:.3f}), {forward_flops(cfg, 1, context) * batch / t1 / 1e9:.1f} "
-        "GFLOP/s\n")
-  print("| γ | tokens | pass ms | v(γ) (min-max) | GFLOP/s |")
-  print("|---|---|---|---|---|")
+      for side in sides:
+        a, b = fwd[side, 1](), fwd[side, g + 1]()
+        if i:
+          one[side, g].append(a)
+          many[side, g].append(b)
+  for side in sides:
+    step = [s for g in gammas for s in one[side, g]]
+    t1 = statistics.median(step)
+    label = "" if side == "now" else " (row-by-row projections off)"
+    print(f"1-token step{label}: {t1 * 1e3:.3f} ms (min {min(step) * 1e3:.3f}, max "
+          f"{max(step) * 1e3:.3f}), {forward_flops(cfg, 1, context) * batch / t1 / 1e9:.1f} "
+          "GFLOP/s")
+  head = "| γ | tokens | pass ms | v(γ) (min-max) | GFLOP/s |"
+  if _COMPARE.value:
+    head += " pass ms, off | v(γ), off | pass now / off |"
+  print("\n" + head + "\n" + "|---" * (head.count("|") - 1) + "|")
   for g in gammas:
-    ms = statistics.median(many[g])
+    ms = statistics.median(many["now", g])
     gflops = forward_flops(cfg, g + 1, context) * batch / ms / 1e9
-    print(f"| {g} | {g + 1} | {ms * 1e3:.3f} | {ratio_text(many[g], one[g])} | {gflops:.1f} |")
+    line = (f"| {g} | {g + 1} | {ms * 1e3:.3f} | {ratio_text(many['now', g], one['now', g])}"
+            f" | {gflops:.1f} |")
+    if _COMPARE.value:
+      line += (f" {statistics.median(many['off', g]) * 1e3:.3f} | "
+               f"{ratio_text(many['off', g], one['off', g])} | "
+               f"{ratio_text(many['now', g], many['off', g])} |")
+    print(line)
+
+  if _FLOOR.value:
+    # The cost of one more token when the pass is compute-bound: a long chunk's time per
+    # token, paired with the 1-token step. v(γ) cannot go below 1 + γ x this / step.
+    t, big, small = _FLOOR.value, [], []
+    timer = forward_timer(model, batch, t, context, cache, max(iters // 8, 1))
+    for i in range(pairs + 1):
+      a, b = fwd["now", 1](), timer()
+      if i:
+        small.append(a)
+        big.append(b / t)
+    per = statistics.median(big)
+    print(f"\nT={t} pass: {per * 1e3:.3f} ms per token "
+          f"({forward_flops(cfg, t, context) * batch / t / per / 1e9:.1f} GFLOP/s) = "
+          f"{ratio_text(big, small)} of a 1-token step: the floor of each extra verify "
+          "token when its matmuls run at full GEMM throughput")
 
 
 if __name__ == "__main__":

@@ -54,9 +54,41 @@ def split_fused(x, groups: int, sizes):
           for size, end in zip(sizes, ends)]
 
 
+# On a CPU, passes of 2..this many rows (batch x tokens) multiply by each weight matrix one
+# row at a time. See `rowwise`.
+CPU_ROWWISE_MAX_ROWS = 9
+
+
+def rowwise(fn, x: jax.Array) -> jax.Array:
+  """fn(x) for a row-wise fn over x [..., d]; on a CPU a few rows go one at a time.
+
+  XLA:CPU multiplies one row by a weight matrix with a streaming matrix-vector kernel
+  and two or more rows with a general matrix multiply (YNNPACK) that packs the weights
+  on every call. A forward visits every weight once, so they arrive cold: one
+  matrix-vector pass brings them into cache and the next rows find them there. On the
+  shipped target this makes a 2..9-token verify pass 0.6-0.8x as long (the 1-token step
+  is unchanged); docs/ARCHITECTURE.md, "Why the verify pass costs what it does on a CPU".
+  Each row gets the same dot as a 1-token step. Set CPU_ROWWISE_MAX_ROWS = 0 to turn it
+  off (it is read when a function is traced).
+  """
+  rows = int(np.prod(x.shape[:-1]))
+  if not 1 < rows <= CPU_ROWWISE_MAX_ROWS or jax.default_backend() != "cpu":
+    return fn(x)
+  flat = x.reshape(rows, 1, x.shape[-1])
+  out = jnp.concatenate([fn(flat[i]) for i in range(rows)])
+  return out.reshape(x.shape[:-1] + out.shape[-1:])
+
+
+class Dense(nnx.Linear):
+  """nnx.Linear, computed `rowwise`: same parameters, same results."""
+
+  def __call__(self, x):
+    return rowwise(super().__call__, x)
+
+
 def _dense(rngs, d_in, d_out, bias, std):
-  return nnx.Linear(d_in, d_out, use_bias=bias, rngs=rngs,
-                    kernel_init=nnx.initializers.normal(std))
+  return Dense(d_in, d_out, use_bias=bias, rngs=rngs,
+               kernel_init=nnx.initializers.normal(std))
 
 
 def _norm(cfg: ModelConfig, rngs):
@@ -250,7 +282,7 @@ class Transformer(nnx.Module):
     features = x
     x = self.final_norm(x)
     if self.cfg.tie_embeddings:
-      logits = self.embed.attend(x)
+      logits = rowwise(self.embed.attend, x)
     else:
       logits = self.lm_head(x)
     out = logits.astype(jnp.float32), (tuple(ks), tuple(vs))
