@@ -130,8 +130,12 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
   return manifest
 
 
-def load_params(path: str | os.PathLike, dtype=None):
-  """(config, params) with params exactly as stored, or cast to `dtype` if given."""
+def load_params(path: str | os.PathLike, dtype=None, host: bool = False):
+  """(config, params) with params exactly as stored, or cast to `dtype` if given.
+
+  host=True keeps them as numpy arrays (for `specjax.shard` to place slice by slice)
+  instead of putting each on the default device.
+  """
   path = Path(path)
   manifest = read_manifest(path)
   cfg = ModelConfig.from_dict(manifest["config"])
@@ -164,14 +168,18 @@ def load_params(path: str | os.PathLike, dtype=None):
                             f"config needs {tuple(ref.shape)}")
     if dtype is not None and jnp.issubdtype(arr.dtype, jnp.floating):
       arr = arr.astype(jnp.dtype(dtype))
-    leaves.append(jnp.asarray(arr))
+    leaves.append(arr if host else jnp.asarray(arr))
   return cfg, jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def load_model(path: str | os.PathLike, dtype=jnp.float32) -> model_lib.Model:
-  """A `Model` with its tokenizer (if the checkpoint has one); floats cast to `dtype`."""
+def load_model(path: str | os.PathLike, dtype=jnp.float32, mesh=None) -> model_lib.Model:
+  """A `Model` with its tokenizer (if the checkpoint has one); floats cast to `dtype`.
+
+  With a `mesh` the weights go from the file (through host memory) straight into their
+  shards (`specjax.shard`): no device ever holds the whole model.
+  """
   path = Path(path)
-  cfg, params = load_params(path, dtype)
+  cfg, params = load_params(path, dtype, host=mesh is not None)
   tokenizer = None
   if read_manifest(path).get("has_tokenizer"):
     from specjax.tokenizer import Tokenizer
@@ -185,4 +193,8 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32) -> model_lib.Model:
     if tokenizer.vocab_size > cfg.vocab_size:
       raise CheckpointError(f"checkpoint {path}: tokenizer has {tokenizer.vocab_size} tokens, "
                             f"model only {cfg.vocab_size}")
-  return model_lib.Model(cfg, params, tokenizer)
+  model = model_lib.Model(cfg, params, tokenizer)
+  if mesh is not None:
+    from specjax import sharding
+    model = sharding.shard(model, mesh)
+  return model

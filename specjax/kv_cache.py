@@ -42,14 +42,21 @@ def write(buffer: jax.Array, new: jax.Array, start: jax.Array, count=None) -> ja
   """Writes new[b, t] at slot start[b] + t of row b, for t < count[b] (default: all).
 
   Token buffers are [B, S] with new [B, T]; KV buffers are [B, H, S, D] with new
-  [B, T, H, D] (advanced indices split by a slice index come out as [B, T, H, D]).
-  Writes past the end are dropped, never shifted: a scatter, not dynamic_update_slice.
+  [B, T, H, D]. Writes past the end are dropped, never shifted: a scatter, not
+  dynamic_update_slice. The scatter is written for one row and vmapped, so the batch is
+  a batching dimension of the scatter: with rows split over devices each device writes
+  its own rows (a batch-indexed scatter made GSPMD gather every update first).
   """
-  b, t = new.shape[:2]
-  rows = jnp.arange(b)[:, None]
+  t = new.shape[1]
   cols = start[:, None] + jnp.arange(t)[None, :]
   if count is not None:
     slots = buffer.shape[2 if buffer.ndim == 4 else 1]
     cols = jnp.where(jnp.arange(t)[None, :] < count[:, None], cols, slots)  # dropped
-  index = (rows, slice(None), cols) if buffer.ndim == 4 else (rows, cols)
-  return buffer.at[index].set(new.astype(buffer.dtype), mode="drop")
+
+  def row(buf, values, cols):
+    if buf.ndim == 3:  # [H, S, D] <- [T, H, D]
+      values = jnp.swapaxes(values, 0, 1)
+      return buf.at[:, cols].set(values.astype(buf.dtype), mode="drop")
+    return buf.at[cols].set(values.astype(buf.dtype), mode="drop")
+
+  return jax.vmap(row)(buffer, new, cols)

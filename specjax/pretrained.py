@@ -45,11 +45,13 @@ def _is_head_dir(path: Path) -> bool:
   return heads.is_head(path)
 
 
-def _load_dir(path: Path, dtype):
+def _load_dir(path: Path, dtype, mesh=None):
   if _is_head_dir(path):
+    if mesh is not None:
+      raise ValueError(f"{path} is a draft head; mesh= places models (load the head without it)")
     from specjax import heads
     return heads.load_head(path, dtype)
-  return checkpoint_lib.load_model(path, dtype)
+  return checkpoint_lib.load_model(path, dtype, mesh)
 
 
 def looks_like_hub_id(name: str) -> bool:
@@ -63,8 +65,13 @@ def looks_like_hub_id(name: str) -> bool:
           and not Path(name).exists())
 
 
-def load_pretrained(name_or_path: str | os.PathLike, dtype=jnp.float32):
+def load_pretrained(name_or_path: str | os.PathLike, dtype=jnp.float32, mesh=None):
   """A `Model` with `.tokenizer` set, from a shipped name, a directory or a hub id.
+
+  dtype: the parameters' floating dtype, which the forward and the KV cache run in
+  (logits and sampling stay float32). mesh: a jax Mesh ('data', 'model'); the weights
+  are read into host memory and placed slice by slice (`specjax.shard`), so no device
+  ever holds the whole model.
 
   A draft-head directory (e.g. 'stdlib-eagle', 'stdlib-medusa') gives a
   `specjax.heads.Head` instead.
@@ -76,20 +83,20 @@ def load_pretrained(name_or_path: str | os.PathLike, dtype=jnp.float32):
       raise checkpoint_lib.CheckpointError(
           f"shipped checkpoint {name!r} not found at {path} (set {ENV_VAR} to the folder "
           "that holds it)")
-    return _load_dir(path, dtype)
+    return _load_dir(path, dtype, mesh)
   path = Path(name).expanduser()
   if path.is_dir():
     if (path / checkpoint_lib.MANIFEST).exists() or _is_head_dir(path):
-      return _load_dir(path, dtype)
+      return _load_dir(path, dtype, mesh)
     if _is_hf_dir(path):
       from specjax import hf
-      return hf.load_hf_model(name, dtype=dtype)
+      return hf.load_hf_model(name, dtype=dtype, mesh=mesh)
     raise ValueError(f"{path} is neither a specjax checkpoint ({checkpoint_lib.MANIFEST}) "
                      "nor a Hugging Face model directory (config.json with model_type)")
   if path.exists():
     raise ValueError(f"{path} is a file; load_pretrained needs a model directory or a name")
   if looks_like_hub_id(name):
     from specjax import hf
-    return hf.load_hf_model(name, dtype=dtype)
+    return hf.load_hf_model(name, dtype=dtype, mesh=mesh)
   raise ValueError(f"unknown model {name!r}: not a directory, not a hub id; "
                    f"known names: {', '.join(KNOWN)}")

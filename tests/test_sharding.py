@@ -80,6 +80,16 @@ def worker_mesh():
   _tick("oracles")
   res["params/gpt2_int8/4"] = _leaf_shapes(specjax.shard(
       targets["gpt2_int8"], jax.make_mesh((2, 4), ("data", "model"))))
+  # A checkpoint loads straight into its shards.
+  with tempfile.TemporaryDirectory() as tmp:
+    llama = targets["llama"]
+    checkpoint.save_model(tmp, llama.config, llama.params)
+    mesh = jax.make_mesh((1, 8), ("data", "model"))
+    loaded = specjax.load_pretrained(tmp, mesh=mesh)
+    res["load/sharded"] = sharding.is_sharded(loaded, mesh)
+    res["load/same"] = all(jax.tree_util.tree_leaves(jax.tree_util.tree_map(
+        lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), loaded.params,
+        specjax.shard(llama, mesh).params)))
   for name, shape, drafter in RUNS:
     mesh = jax.make_mesh(shape, ("data", "model"))
     target = specjax.shard(targets[name], mesh)
@@ -389,6 +399,11 @@ class MeshTest(parameterized.TestCase):
       else:
         self.assertEqual(shard, whole, path)  # norms, position embeddings, output biases
     self.assertGreaterEqual(len(seen), 5)
+
+  def test_checkpoint_loads_into_its_shards(self):
+    r = result("mesh")
+    self.assertTrue(r["load/sharded"])
+    self.assertTrue(r["load/same"])
 
   def test_kv_heads_are_repeated_to_split(self):
     # 2 KV heads on a model axis of 4: repeated twice, grouped 4 ways.

@@ -168,7 +168,7 @@ def load_tokenizer(directory: Path, hf_config: dict):
   return Tokenizer(raw, eos_token=eos_token)
 
 
-def load_hf_model(path_or_id: str | os.PathLike, dtype=jnp.float32) -> Model:
+def load_hf_model(path_or_id: str | os.PathLike, dtype=jnp.float32, mesh=None) -> Model:
   """A Hugging Face GPT-2 / Llama / Mistral / Qwen2 / Qwen3 checkpoint as a specjax `Model`.
 
   Args:
@@ -176,7 +176,10 @@ def load_hf_model(path_or_id: str | os.PathLike, dtype=jnp.float32) -> Model:
       (model.safetensors or a sharded index; pytorch_model.bin with torch installed),
       or a hub id such as 'distilgpt2' or 'Qwen/Qwen3-0.6B', downloaded (or taken from
       the local cache) with huggingface_hub.
-    dtype: parameter dtype (float32, bfloat16, float16).
+    dtype: parameter dtype (float32, bfloat16, float16); the forward and the KV cache
+      run in it, logits and sampling in float32.
+    mesh: a jax Mesh ('data', 'model'): the weights go from the files through host
+      memory straight into their shards (`specjax.shard`), never whole onto one device.
 
   The tokenizer (tokenizer.json) is attached as `model.tokenizer` when present.
   Raises ValueError for unsupported architectures or features and for missing,
@@ -190,8 +193,13 @@ def load_hf_model(path_or_id: str | os.PathLike, dtype=jnp.float32) -> Model:
   hf_config = json.loads(config_path.read_text())
   cfg = config_from_hf(hf_config)
   tensors = CheckpointTensors(directory)
-  params = params_from_hf(cfg, hf_config["model_type"], tensors, dt, where=str(directory))
-  return Model(cfg, params, load_tokenizer(directory, hf_config))
+  params = params_from_hf(cfg, hf_config["model_type"], tensors, dt, where=str(directory),
+                          host=mesh is not None)
+  model = Model(cfg, params, load_tokenizer(directory, hf_config))
+  if mesh is not None:
+    from specjax import sharding
+    model = sharding.shard(model, mesh)
+  return model
 
 
 def _tokenizer_saver(tokenizer):

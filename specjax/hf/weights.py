@@ -184,7 +184,7 @@ def _check_tensors(slots: list[Slot], tensors, cfg: ModelConfig, model_type: str
 
 
 def params_from_hf(cfg: ModelConfig, model_type: str, tensors, dtype=jnp.float32,
-                   where: str = "checkpoint") -> Params:
+                   where: str = "checkpoint", host: bool = False) -> Params:
   """specjax params from Hugging Face tensors.
 
   `tensors` is a dict name -> array, or an object with `names()`, `shape(name)` and
@@ -199,7 +199,8 @@ def params_from_hf(cfg: ModelConfig, model_type: str, tensors, dtype=jnp.float32
   params: Params = {}
   for slot in slots:
     arrays = [tensors.load(name).astype(dt, copy=False) for name, _ in slot.sources]
-    _set(params, slot.path, jnp.asarray(assemble(slot.layout, arrays)))
+    array = assemble(slot.layout, arrays)  # host=True: numpy, for `specjax.shard`
+    _set(params, slot.path, np.ascontiguousarray(array) if host else jnp.asarray(array))
   # The table and the module tree must agree leaf for leaf; a mismatch is a bug here.
   want = jax.tree_util.tree_structure(abstract_params(cfg))
   got = jax.tree_util.tree_structure(params)
