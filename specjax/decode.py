@@ -273,5 +273,8 @@ def run_loop(engine: Engine, weights: Weights, state: DecodeState, sampling: Sam
 def decode(engine: Engine, prompt_width: int, cache_size: int, weights: Weights, tokens,
            prompt_len, sampling: Sampling, key) -> DecodeState:
   """Prefill + every round, compiled once per (engine, shapes)."""
-  state = prefill(engine, weights, tokens, prompt_len, prompt_width, cache_size, key, sampling)
-  return run_loop(engine, weights, sharding.constrain(engine, state), sampling)
+  # On a mesh the batch is split over devices: no row-by-row CPU matmuls (`model.rowwise`).
+  with model_lib.whole_rows(engine.mesh is not None):
+    state = prefill(engine, weights, tokens, prompt_len, prompt_width, cache_size, key,
+                    sampling)
+    return run_loop(engine, weights, sharding.constrain(engine, state), sampling)

@@ -8,6 +8,8 @@ row of a batch writes at its own position and a verify pass writes several token
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 from typing import Any
 
@@ -59,6 +61,21 @@ def split_fused(x, groups: int, sizes):
 CPU_ROWWISE_MAX_ROWS = 9
 
 
+# True while a decode on a device mesh is traced (`whole_rows`): there the batch is split
+# over devices, and slicing it row by row would move every row between them.
+_WHOLE_ROWS = contextvars.ContextVar("specjax_whole_rows", default=False)
+
+
+@contextlib.contextmanager
+def whole_rows(on: bool = True):
+  """Within this block (at trace time), `rowwise` leaves the rows together."""
+  token = _WHOLE_ROWS.set(on)
+  try:
+    yield
+  finally:
+    _WHOLE_ROWS.reset(token)
+
+
 def rowwise(fn, x: jax.Array) -> jax.Array:
   """fn(x) for a row-wise fn over x [..., d]; on a CPU a few rows go one at a time.
 
@@ -72,7 +89,8 @@ def rowwise(fn, x: jax.Array) -> jax.Array:
   off (it is read when a function is traced).
   """
   rows = int(np.prod(x.shape[:-1]))
-  if not 1 < rows <= CPU_ROWWISE_MAX_ROWS or jax.default_backend() != "cpu":
+  if (not 1 < rows <= CPU_ROWWISE_MAX_ROWS or jax.default_backend() != "cpu"
+      or _WHOLE_ROWS.get()):
     return fn(x)
   flat = x.reshape(rows, 1, x.shape[-1])
   out = jnp.concatenate([fn(flat[i]) for i in range(rows)])

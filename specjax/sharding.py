@@ -26,7 +26,7 @@ last prompt (dropped from the result and the stats), puts the token buffer, leng
 per-row sampling settings on 'data', and `Engine.mesh` makes the engine constrain its
 state on every round (`constrain`): KV buffers [batch -> 'data', kv_heads -> 'model'],
 every other per-row array on 'data'. The draft is replicated over 'model' by default
-(docs/BENCHMARKS.md: on the shipped pair splitting it was slower at every mesh).
+(docs/BENCHMARKS.md: on the shipped pair splitting it was not faster on any mesh).
 
 Random bits do not depend on the sharding: jax's partitionable threefry (the default)
 draws each element from its own counter, so a seed gives the tokens of one device.
@@ -173,8 +173,8 @@ def param_specs(cfg: ModelConfig, params, tp: int):
   """A PartitionSpec per leaf of `params` (laid out for tp), from `model.MODEL_AXIS`."""
   p = plan(cfg, tp)
   parts = {"attn": p.attention, "mlp": p.mlp, "embed": p.vocab, "lm_head": p.vocab}
-  if p.attention and cfg.qkv_groups != tp or p.mlp and cfg.mlp == "swiglu" and \
-      cfg.mlp_groups != tp:
+  if (p.attention and cfg.qkv_groups != tp) or (
+      p.mlp and cfg.mlp == "swiglu" and cfg.mlp_groups != tp):
     raise ValueError(f"these weights are laid out for qkv_groups={cfg.qkv_groups}, "
                      f"mlp_groups={cfg.mlp_groups}, not a 'model' axis of {tp}: use shard()")
 
