@@ -89,12 +89,12 @@ def test_own_directory_loads_directly(tmp_path):
 def test_hugging_face_dirs_and_hub_ids_go_to_specjax_hf(tmp_path, monkeypatch):
   calls = []
   fake = types.ModuleType("specjax.hf")
-  fake.load_hf_model = lambda name, dtype: calls.append((name, dtype)) or "hf-model"
+  fake.load_hf_model = lambda name, dtype, mesh=None: calls.append((name, dtype, mesh)) or "hf-model"
   monkeypatch.setitem(sys.modules, "specjax.hf", fake)
   monkeypatch.setattr(specjax, "hf", fake, raising=False)
   (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
   assert pretrained.load_pretrained(tmp_path) == "hf-model"
   assert pretrained.load_pretrained("gpt2", dtype=jnp.bfloat16) == "hf-model"
   assert pretrained.load_pretrained("org/some-model") == "hf-model"
-  assert calls == [(str(tmp_path), jnp.float32), ("gpt2", jnp.bfloat16),
-                   ("org/some-model", jnp.float32)]
+  assert calls == [(str(tmp_path), jnp.float32, None), ("gpt2", jnp.bfloat16, None),
+                   ("org/some-model", jnp.float32, None)]
