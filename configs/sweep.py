@@ -26,7 +26,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.target = "stdlib-target"  # a shipped name, a checkpoint / HF directory, or a hub id
   c.draft = "stdlib-draft"
-  c.drafter = ("model", "ngram")
+  c.drafter = ("model", "ngram", "eagle")  # also 'medusa' (γ up to its head count)
+  c.eagle_head = "stdlib-eagle"  # draft heads trained on the target: name or directory
+  c.medusa_head = "stdlib-medusa"
   c.gamma = (1, 2, 3, 4, 6)
   c.temperature = (0.0, 0.7, 1.0)
   c.top_p = (1.0,)
@@ -73,6 +75,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   elif variant == "gpt2":
     c.target = "gpt2-large"
     c.draft = "distilgpt2"
+    c.drafter = ("model", "ngram")  # no heads trained for public pairs (configs/train.py)
     c.gamma = (2, 3, 4, 5, 6)
     c.temperature = (0.0, 1.0)
     c.batch_size = (1, 8)
@@ -81,6 +84,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.max_new_tokens = 96
   elif variant in HUB_PAIRS:
     c.target, c.draft = HUB_PAIRS[variant]
+    c.drafter = ("model", "ngram")
     c.gamma = (2, 3, 4, 5, 6, 8)
     c.temperature = (0.0, 0.7, 1.0)
     c.batch_size = (1, 8)

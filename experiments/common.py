@@ -96,10 +96,16 @@ def merge_stats(stats: list[dict]) -> dict:
 def step_costs(target, draft, drafter: str, gamma: int, batch: int, context: int,
                ngram=(1, 4), draft_sample="probabilistic", repeats: int = 3,
                temperature: float = 1.0, tree=None):
-  """`costs.step_costs` for a drafter named as in `specjax.generate`."""
+  """`costs.step_costs` for a drafter named as in `specjax.generate`.
+
+  draft: the draft model for 'model', the head for 'eagle' / 'medusa'.
+  """
   obj = generation.make_drafter(target, draft, drafter, None if tree else gamma, draft_sample,
                                 *ngram, tree=tree)
-  params = draft.params if drafter == "model" else None
+  if drafter in generation.HEAD_DRAFTERS:
+    params = draft.draft_params(target)
+  else:
+    params = draft.params if drafter == "model" else None
   return costs.step_costs(target, obj, params, batch, context, temperature=temperature,
                           repeats=repeats)
 

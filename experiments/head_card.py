@@ -9,7 +9,6 @@ the engine's own decode loop, tokens committed per target call at γ = `--gamma`
 held-out prompts, with the shipped stdlib-draft measured on the same prompts alongside.
 """
 
-import dataclasses
 import json
 
 import jax
@@ -17,7 +16,6 @@ import numpy as np
 from absl import app, flags
 
 from specjax import data
-from specjax import decode as decode_lib
 from specjax import generation, heads, pretrained, train_heads
 
 _HEAD = flags.DEFINE_string("head", None, "Directory of the trained head (float32 export).")
@@ -41,12 +39,9 @@ def heldout_windows(tokenizer, seq_len: int, num_windows: int) -> np.ndarray:
 def decode_stats(target, prompts, gamma, temperature, head=None, draft=None, seed=0):
   """Committed tokens per target call and acceptance of one batch through the engine."""
   args = generation.prepare(target, prompts, max_new_tokens=_NEW.value, temperature=temperature,
-                            top_k=0, top_p=1.0, eos_id=None, gamma=gamma, draft=draft,
-                            drafter="model" if draft is not None else "ngram")
-  if head is not None:  # until generate() takes a head: swap the drafter in
-    args = dataclasses.replace(
-        args, engine=dataclasses.replace(args.engine, drafter=head.drafter(gamma)),
-        weights=decode_lib.Weights(target=target.params, draft=head.draft_params(target)))
+                            top_k=0, top_p=1.0, eos_id=None, gamma=gamma,
+                            draft=head if head is not None else draft,
+                            drafter=None if head is not None or draft is not None else "ngram")
   stats = jax.device_get(args.run(jax.random.PRNGKey(seed)).stats)
   rounds, drafted = int(np.sum(stats.rounds)), int(np.sum(stats.drafted))
   return {"tokens_per_call": float(np.sum(stats.committed)) / rounds,

@@ -72,7 +72,9 @@ def write_report(rows: list[dict], workdir) -> None:
   plt.close(fig)
 
   fig, ax = plt.subplots(figsize=(5, 4.5))
-  for drafter, marker in (("model", "o"), ("ngram", "s")):
+  markers = dict(model="o", ngram="s", eagle="^", medusa="v")
+  for drafter in sorted({r["drafter"] for r in rows}):
+    marker = markers.get(drafter, "x")
     rs = [r for r in rows if r["drafter"] == drafter]
     if rs:
       ax.scatter([r["expected_tokens"] for r in rs], [r["tokens_per_target_call"] for r in rs],

@@ -23,6 +23,7 @@ from experiments import plots
 from specjax import costs
 from specjax import generation
 from specjax import ledger
+from specjax.pretrained import load_pretrained
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/sweep.py", "Sweep config.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where results go.", required=True)
@@ -58,6 +59,9 @@ def validate(cfg) -> None:
       fail("trees", str(e))
   if ("model" in cfg.drafter or cfg.trees) and not cfg.draft:
     fail("draft", "drafter 'model' needs a draft model")
+  for d in generation.HEAD_DRAFTERS:
+    if d in cfg.drafter and not cfg.get(f"{d}_head"):
+      fail(f"{d}_head", f"drafter {d!r} needs a {d} head (a shipped name or a directory)")
   for g in cfg.gamma:
     if not isinstance(g, int) or isinstance(g, bool) or g < 1:
       fail("gamma", "every γ must be an int >= 1")
@@ -123,6 +127,12 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
                                                          else x for x in tree])
              for p in grid if p["drafter"] == cfg.drafter[0] and p["gamma"] == cfg.gamma[0]
              and all(p[k] == off for k, off in PROCESSOR_FIELDS.items())]  # trees: none yet
+  # Heads are small: load them first (a bad name fails before the models load).
+  heads = {d: load_pretrained(cfg[f"{d}_head"]) for d in generation.HEAD_DRAFTERS
+           if d in cfg.drafter}
+  if "medusa" in heads:  # K heads draft at most K tokens
+    k = heads["medusa"].config.medusa_heads
+    grid = [p for p in grid if p["drafter"] != "medusa" or p["gamma"] <= k]
   todo = [p for p in grid if point_key(p) not in done]
   logging.info("%d grid points, %d already done", len(grid), len(grid) - len(todo))
   if not todo:
@@ -134,6 +144,8 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
   else:
     target, draft = common.load_pair(cfg.target,
                                      cfg.draft if "model" in cfg.drafter or cfg.trees else None)
+  for head in heads.values():
+    head.check_target(target)  # a head trained on another target: stop before timing
   if prompts is None:
     if target.tokenizer is None:
       raise ValueError(f"target {cfg.target!r} has no tokenizer: prompts come from text")
@@ -158,16 +170,17 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
     tree = _as_tree(point.get("tree"))
     ckey = (point["drafter"], point["gamma"], point["batch_size"], point["temperature"] == 0,
             tree)
+    drafter_model = heads.get(point["drafter"], draft)  # the model or the head
     if ckey not in step_costs:
       step_costs[ckey] = common.step_costs(
-          target, draft, point["drafter"], point["gamma"], point["batch_size"], context,
+          target, drafter_model, point["drafter"], point["gamma"], point["batch_size"], context,
           (cfg.ngram_min, cfg.ngram_max), cfg.draft_sample, temperature=point["temperature"],
           tree=tree)
     spec = dict(sampling, drafter=point["drafter"], ngram_min=cfg.ngram_min,
                 ngram_max=cfg.ngram_max,
                 **(dict(tree=tree) if tree else dict(gamma=point["gamma"])))
-    if point["drafter"] == "model":
-      spec.update(draft=draft, draft_sample=cfg.draft_sample)
+    if point["drafter"] == "model" or point["drafter"] in heads:
+      spec.update(draft=drafter_model, draft_sample=cfg.draft_sample)
     timing = common.paired_generate(target, prompts, point["batch_size"], cfg.timing_pairs,
                                     method=spec, baseline=sampling)
     row = make_row(point, timing, step_costs[ckey], machine)

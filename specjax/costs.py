@@ -127,10 +127,22 @@ def propose_cost(drafter, draft_params, batch: int, vocab_size: int, context: in
       # hoisting or deleting a stateless drafter.
       seq = tokens.at[:, 0].set(i % vocab_size)
       ys, _, new_state = drafter.propose(params, state, seq, n, sub, sampling)
-      return drafter.rollback(new_state, n), key, total + jnp.sum(ys)
+      if heads:  # a head reads the verify pass's features: γ+1 of them from n-1
+        new_state = drafter.rollback(new_state, n, verify_feats, n - 1)
+      else:
+        new_state = drafter.rollback(new_state, n)
+      return new_state, key, total + jnp.sum(ys)
     return jax.lax.fori_loop(0, iters, body, (state, key, jnp.zeros((), jnp.int32)))
 
-  state = drafter.prefill(draft_params, drafter.init(batch, cache_size), tokens, n)
+  heads = getattr(drafter, "uses_features", False)
+  state = drafter.init(batch, cache_size)
+  if heads:  # random features: the cost does not depend on their values
+    d = drafter.config.target.d_model
+    feats = jax.random.normal(jax.random.PRNGKey(2), (batch, context, d), jnp.float32)
+    verify_feats = feats[:, :drafter.gamma + 1]
+    state = drafter.prefill(draft_params, state, tokens, n, feats)
+  else:
+    state = drafter.prefill(draft_params, state, tokens, n)
   return best_time(loop, draft_params, state, jax.random.PRNGKey(1), repeats=repeats) / iters
 
 

@@ -16,12 +16,14 @@ from specjax import decode as decode_lib
 from specjax import processors
 from specjax import trees
 from specjax import drafters as drafters_lib
+from specjax import heads as heads_lib
 from specjax import rules as rules_lib
 from specjax.model import Model
 from specjax.sampling import Sampling
 
-DRAFTERS = ("model", "ngram")
+DRAFTERS = ("model", "ngram", "eagle", "medusa")
 DRAFT_SAMPLE_MODES = ("probabilistic", "greedy")
+HEAD_DRAFTERS = ("eagle", "medusa")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,15 +94,30 @@ def make_tree(tree, gamma):
 def make_drafter(target: Model, draft: Model | None, drafter: str | None, gamma: int | None,
                  draft_sample: str, ngram_min: int, ngram_max: int, tree=None):
   """Validates the speculative settings and builds the static drafter object."""
-  if draft is not None and not isinstance(draft, Model):
+  is_head = isinstance(draft, heads_lib.Head)
+  if draft is not None and not (isinstance(draft, Model) or is_head):
     raise ValueError(f"draft must be a specjax Model (from load_pretrained, init_model or "
-                     f"load_hf_model), got {type(draft).__name__}")
-  if drafter is None:
-    drafter = "model" if draft is not None else None
+                     f"load_hf_model) or a draft head (heads.Head, e.g. "
+                     f"load_pretrained('stdlib-eagle')), got {type(draft).__name__}")
+  if drafter is None and draft is not None:
+    drafter = draft.kind if is_head else "model"
   if drafter is None:
     return drafters_lib.NoDrafter(vocab_size=target.config.vocab_size)
   if drafter not in DRAFTERS:
     raise ValueError(f"drafter must be one of {DRAFTERS} (or None), got {drafter!r}")
+  if drafter in HEAD_DRAFTERS or is_head:
+    if not is_head or draft.kind != drafter:
+      got = f"a {draft.kind} head" if is_head else type(draft).__name__
+      raise ValueError(f"drafter={drafter!r} needs draft=<a {drafter} head> (e.g. "
+                       f"load_pretrained('stdlib-{drafter}')), got {got}")
+    if tree is not None:
+      raise ValueError(f"tree= needs drafter='model'; the {drafter} head proposes chains only")
+    if draft_sample not in DRAFT_SAMPLE_MODES:
+      raise ValueError(f"draft_sample must be one of {DRAFT_SAMPLE_MODES}, "
+                       f"got {draft_sample!r}")
+    draft.check_target(target)  # ValueError naming what differs
+    gamma = checks.int_at_least("gamma (draft length)", 4 if gamma is None else gamma, 1)
+    return draft.drafter(gamma, draft_sample)
   if tree is not None:
     tree = make_tree(tree, gamma)
     gamma = tree.depth
@@ -246,18 +263,20 @@ def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p
   sampling = Sampling.create(batch, temperature=temperature, top_k=top_k, top_p=top_p,
                              max_new=max_new_tokens, stop_seqs=stop_seqs, stop_lens=stop_lens,
                              procs=procs, pcfg=pcfg)
-  uses_draft = isinstance(drafter_obj, drafters_lib.ModelDrafter)
+  if isinstance(draft, heads_lib.Head):
+    draft_params = draft.draft_params(target, check=False)  # checked in make_drafter
+  else:
+    draft_params = draft.params if isinstance(drafter_obj, drafters_lib.ModelDrafter) else None
   return Prepared(
       engine=decode_lib.Engine(target=target.config, drafter=drafter_obj, rule=rule),
-      weights=decode_lib.Weights(target=target.params,
-                                 draft=draft.params if uses_draft else None),
+      weights=decode_lib.Weights(target=target.params, draft=draft_params),
       prompt_width=prompt_width, cache_size=cache_size, tokens=jnp.asarray(tokens),
       prompt_len=jnp.asarray([len(p) for p in prompts], jnp.int32), sampling=sampling)
 
 
 def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.0, top_k=0,
              top_p=1.0, seed: int = 0, eos_id=None, stop_sequences=None,
-             draft: Model | None = None,
+             draft: Model | heads_lib.Head | None = None,
              gamma: int | None = None, drafter: str | None = None, tree=None,
              draft_sample: str = "probabilistic", ngram_min: int = 1,
              ngram_max: int = 4, verify_rule: str = "exact",
@@ -282,13 +301,16 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
     eos_id: an id (or list of ids) that ends a row; it is emitted, nothing after it.
     stop_sequences: token-id lists (or strings, encoded with the target's tokenizer) that
       end a row once generated; emitted like EOS. A match must lie in the new tokens.
-    draft: the draft model (same vocabulary as the target).
+    draft: the draft model (same vocabulary as the target), or a draft head trained on
+      this target (`load_pretrained('stdlib-eagle')`, 'stdlib-medusa'; `specjax.heads`),
+      which drafts from the target's own hidden states.
     gamma: draft tokens proposed per round (default 4; with a tree, its depth).
     tree: a token tree for the model drafter: branching factors (k_1, ..., k_d) (every
       node at depth j-1 gets k_j children; (1,)*γ is the chain) or Medusa-style paths of
       child ranks, e.g. [(0,), (1,), (0, 0)]. The target scores every node in one pass
       and the walk down from the root keeps the output exactly the target's.
-    drafter: 'model', 'ngram' (prompt lookup, no draft model) or None (infer).
+    drafter: 'model', 'ngram' (prompt lookup, no draft model), 'eagle' / 'medusa' (with
+      draft=<that head>) or None (infer from draft).
     draft_sample: 'probabilistic' (sample from q) or 'greedy' (argmax, one-hot q).
     ngram_min, ngram_max: suffix lengths the n-gram drafter tries.
     verify_rule: 'exact' (lossless, the default) or a research rule that is NOT lossless:

@@ -72,6 +72,7 @@ def test_rerun_skips_done_points(smoke):
     ("trees", ((2, 0),), "config.trees"),
     ("repetition_penalty", (0.0,), "config.repetition_penalty"),
     ("no_repeat_ngram_size", (-1,), "config.no_repeat_ngram_size"),
+    ("eagle_head", "", "config.eagle_head"),
 ])
 def test_bad_config_fails_at_once(tmp_path, field, value, message):
   cfg = sweep_config.get_config("smoke")

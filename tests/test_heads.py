@@ -283,18 +283,36 @@ def test_head_for_another_target_is_refused(target):
 
 
 def run_with_head(target, head, prompts, gamma, temperature, max_new=12, seed=0):
-  """The engine's own decode loop with a head's drafter in place of a draft model."""
-  import dataclasses
-  from specjax import decode as decode_lib
+  """The engine's own decode loop with the head as the draft (`draft=head`)."""
   from specjax import generation
   args = generation.prepare(target, prompts, max_new_tokens=max_new, temperature=temperature,
-                            top_k=0, top_p=1.0, eos_id=None, gamma=gamma, drafter="ngram")
-  args = dataclasses.replace(
-      args, engine=dataclasses.replace(args.engine, drafter=head.drafter(gamma)),
-      weights=decode_lib.Weights(target=target.params, draft=head.draft_params(target)))
+                            top_k=0, top_p=1.0, eos_id=None, gamma=gamma, draft=head)
+  assert type(args.engine.drafter) is type(head.drafter(gamma))
   state = args.run(jax.random.PRNGKey(seed))
   tokens, n, plen = jax.device_get((state.tokens, state.n, state.prompt_len))
   return [tokens[i, plen[i]:n[i]].tolist() for i in range(len(prompts))], state
+
+
+def test_generate_takes_a_head_and_refuses_a_wrong_one(target):
+  import specjax
+  eagle, medusa = random_head(target, "eagle"), random_head(target, "medusa")
+  prompts = [TOKENS[0, :5].tolist()]
+  expected = specjax.generate(target, prompts, max_new_tokens=6).tokens
+  out = specjax.generate(target, prompts, max_new_tokens=6, draft=eagle, drafter="eagle",
+                         gamma=2)
+  assert out.tokens == expected and out.stats["lossless"]
+  other = tiny_model(vocab=V, d_model=D, n_layers=2, llama=True, seed=7)
+  cases = [(dict(drafter="eagle"), "needs draft=<a eagle head>"),
+           (dict(draft=medusa, drafter="eagle"), "got a medusa head"),
+           (dict(draft=eagle, tree=(2, 1)), "chains only"),
+           (dict(draft=eagle, draft_sample="top"), "draft_sample"),
+           (dict(draft=eagle, gamma=0), "gamma"),
+           (dict(draft="stdlib-eagle"), "draft must be")]
+  for kwargs, what in cases:
+    with pytest.raises(ValueError, match=what):
+      specjax.generate(target, prompts, max_new_tokens=6, **kwargs)
+  with pytest.raises(ValueError, match="fingerprint"):
+    specjax.generate(other, prompts, max_new_tokens=6, draft=eagle)
 
 
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])
