@@ -41,8 +41,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.presence_penalty = (0.0,)
   c.frequency_penalty = (0.0,)
   c.no_repeat_ngram_size = (0,)
-  # Token trees for the model drafter (branching factors, or lists of paths), swept at the
-  # other axes' first drafter and γ: e.g. --config.trees='((2,2,1,1),(4,2,1,1))'.
+  # Token trees (branching factors, or lists of paths), swept at the other axes' first
+  # drafter and γ: e.g. --config.trees='((2,2,1,1),(4,2,1,1))'. n-gram trees when the first
+  # drafter is 'ngram', model-drafter trees otherwise.
   c.trees = ()
   c.ngram_min = 1
   c.ngram_max = 4
