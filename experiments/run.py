@@ -132,13 +132,14 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
   fields = GRID_FIELDS + tuple(PROCESSOR_FIELDS)
   grid = [dict(zip(fields, values)) for values in itertools.product(
       *(tuple(cfg[f]) for f in fields))]
-  # Token trees: model-drafter points whose γ is the tree's depth (processors off).
+  # Token trees: model-drafter points whose γ is the tree's depth, at every processor
+  # setting (each node is processed with its own root-to-node history).
   for tree in cfg.trees:
     depth = generation.make_tree(tree, None).depth
     grid += [dict(p, drafter="model", gamma=depth, tree=[list(x) if isinstance(x, (list, tuple))
                                                          else x for x in tree])
              for p in grid if p["drafter"] == cfg.drafter[0] and p["gamma"] == cfg.gamma[0]
-             and all(p[k] == off for k, off in PROCESSOR_FIELDS.items())]
+             and p["gamma_policy"] == "fixed" and p["verify_rule"] == "exact"]
   # Heads are small: load them first (a bad name fails before the models load).
   heads = {d: load_pretrained(cfg[f"{d}_head"]) for d in generation.HEAD_DRAFTERS
            if d in cfg.drafter}

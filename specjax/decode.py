@@ -189,6 +189,15 @@ def _per_prefix(sampling: Sampling, history, tokens):
   return processors.prefix_histories(sampling.pcfg, sampling.procs, history, tokens)
 
 
+def _per_node(sampling: Sampling, history, tokens, tree):
+  """Processor histories of a tree's nodes, [B, N+1, ...] (0: the committed prefix, i+1:
+  it + node i's root-to-node path); or None."""
+  if history is None:
+    return None
+  return processors.tree_histories(sampling.pcfg, sampling.procs, history, tokens,
+                                   tree.parents)
+
+
 def decode_round(engine: Engine, weights: Weights, state: DecodeState,
                  sampling: Sampling) -> DecodeState:
   """One draft + verify round for every row: a pure function of its inputs."""
@@ -213,8 +222,10 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
   logits, target_kv, features = _target_pass(
       engine, weights.target, jnp.concatenate([pending, ys], axis=1), state.target_kv,
       **layout)
-  # Position i is processed with the history of the committed prefix + y_1..y_{i-1}.
-  prefixes = _per_prefix(sampling, state.history, ys)
+  # Position i is processed with the history of the committed prefix + y_1..y_{i-1};
+  # a tree node with the committed prefix + the tokens on its root-to-node path.
+  prefixes = (_per_prefix(sampling, state.history, ys) if tree is None
+              else _per_node(sampling, state.history, ys, tree))
   if prefixes is None:
     ps = sampling.process(logits)
   else:

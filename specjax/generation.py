@@ -276,10 +276,8 @@ def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p
                              tree)
   rule = rules_lib.make_rule(verify_rule, rule_params, drafter_obj.gamma)
   policy = make_policy(gamma_policy, draft_confidence, draft_cost, drafter_obj)
-  if tree is not None and (pcfg.active or verify_rule != "exact"):
-    raise ValueError("tree= works with the exact rule and without history-dependent "
-                     "processors (penalties, n-gram bans, min_new_tokens, logit_bias, "
-                     "constraint) for now")
+  if tree is not None and verify_rule != "exact":
+    raise ValueError(f"tree= works with the exact rule only, got verify_rule={verify_rule!r}")
   if isinstance(drafter_obj, drafters_lib.ModelDrafter):
     if draft.config.max_len < longest + max_new_tokens:
       raise ValueError(f"prompt length {longest} + max_new_tokens {max_new_tokens} exceeds the "

@@ -114,6 +114,33 @@ def prefix_histories(cfg, settings, h: History, ys) -> History:
   return jax.tree_util.tree_map(lambda x: jnp.moveaxis(x, 0, 1), out)
 
 
+def advance_each(cfg, settings, h: History, tokens) -> History:
+  """Histories stacked on axis 1 ([B, F, ...]) each advanced by tokens[:, f] ([B, F])."""
+  return jax.vmap(lambda hh, t: advance(cfg, settings, hh, t), in_axes=(1, 1),
+                  out_axes=1)(h, tokens)
+
+
+def tree_histories(cfg, settings, h: History, tokens, parents) -> History:
+  """Histories of a token tree's nodes, [B, N+1, ...]: index 0 is h (the root: the
+  committed prefix), index i+1 is h advanced along node i's root-to-node path.
+
+  `parents` (static, -1 = the root) lists the nodes depth by depth with parents first, so
+  each depth is one `advance_each` of its parents' histories by its own tokens. A chain
+  (parents = (-1, 0, 1, ...)) gives `prefix_histories`.
+  """
+  depths = []
+  for p in parents:
+    depths.append(1 if p < 0 else depths[p] + 1)
+  out = jax.tree_util.tree_map(lambda x: x[:, None], h)
+  for d in range(1, max(depths) + 1):
+    nodes = [i for i, x in enumerate(depths) if x == d]  # consecutive: listed by depth
+    par = np.asarray([parents[i] + 1 for i in nodes])
+    level = advance_each(cfg, settings, jax.tree_util.tree_map(lambda x: x[:, par], out),
+                         tokens[:, nodes[0]:nodes[-1] + 1])
+    out = jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a, b], axis=1), out, level)
+  return out
+
+
 def terminal(settings: ProcessorSettings, fsm):
   """bool: the state accepts and no token continues it (the row has finished)."""
   safe = jnp.maximum(fsm, 0)

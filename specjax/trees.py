@@ -33,6 +33,7 @@ import numpy as np
 
 from specjax import kv_cache
 from specjax import model as model_lib
+from specjax import processors
 from specjax.drafters import ModelDrafter
 from specjax.sampling import sample
 from specjax.verify import residual
@@ -146,8 +147,13 @@ class TreeModelDrafter(ModelDrafter):
 
   tree: Tree | None = None
 
-  def _children(self, key, logits, sampling, k):
-    """k candidate children per frontier node: logits [B, F, V] -> [B, F, k], q [B, F, V]."""
+  def _children(self, key, logits, sampling, k, history):
+    """k candidate children per frontier node: logits [B, F, V] -> [B, F, k], q [B, F, V].
+
+    `history` ([B, F, ...] or None): the processors' history of each frontier node's
+    prefix (committed + its root-to-node path), so q is processed like the target's p."""
+    if history is not None:
+      logits = jax.vmap(sampling.adjust, in_axes=(1, 1), out_axes=1)(logits, history)
     q = sampling.process(logits)
     if self.sample_mode == "greedy":
       return jax.lax.top_k(logits, k)[1].astype(jnp.int32), q
@@ -161,6 +167,9 @@ class TreeModelDrafter(ModelDrafter):
     node_tokens = jnp.zeros((b, tree.num_nodes), jnp.int32)
     node_q = jnp.zeros((b, tree.num_nodes, vocab), jnp.float32)
     frontier, frontier_nodes = logits[:, None], [-1]  # draft logits at the frontier
+    history = None  # the frontier's processor histories, [B, F, ...]
+    if sampling.history is not None and sampling.has_processors:
+      history = jax.tree_util.tree_map(lambda x: x[:, None], sampling.history)
     rel = jnp.arange(kv.size)[None, :] - n[:, None]  # [B, S]: slot - n = node index
     strict = tree.ancestors[1:, 1:] & ~np.eye(tree.num_nodes, dtype=bool)
     for level, (first, count) in enumerate(tree.levels):
@@ -168,12 +177,16 @@ class TreeModelDrafter(ModelDrafter):
       nodes = list(range(first, first + count))
       where = [frontier_nodes.index(tree.parents[i]) for i in nodes]  # parent's column
       width = max(tree.ranks[i] for i in nodes) + 1
-      cands, q = self._children(sub, frontier, sampling, width)  # [B, F, width]
+      cands, q = self._children(sub, frontier, sampling, width, history)  # [B, F, width]
       ys = cands[:, where, [tree.ranks[i] for i in nodes]]  # [B, count]
       node_tokens = node_tokens.at[:, first:first + count].set(ys)
       node_q = node_q.at[:, first:first + count].set(q[:, where])
       if level + 1 == len(tree.levels):
         break
+      if history is not None:  # each new node: its parent's history + its own token
+        history = processors.advance_each(
+            sampling.pcfg, sampling.procs,
+            jax.tree_util.tree_map(lambda x: x[:, np.asarray(where)], history), ys)
       # Feed this level: node i at slot n + i, position n - 1 + depth; it sees the
       # committed history and its own ancestors, never a sibling branch.
       anc = jnp.asarray(strict[nodes])[:, jnp.clip(rel, 0, tree.num_nodes - 1)]  # [c, B, S]

@@ -123,7 +123,12 @@ def worker_mesh():
                              "shard": list(kv.k[0].addressable_shards[0].data.shape),
                              "spec": [str(a) for a in kv.k[0].sharding.spec]}
       res["tokens_spec"] = [str(a) for a in state.tokens.sharding.spec]
-      _tick("t1 and state")
+      # A token tree with processors and top-k / top-p: the same tokens too.
+      extra = dict(max_new_tokens=STEPS, draft=draft, tree=(2, 2, 1), temperature=0.8,
+                   top_k=5, top_p=0.9, repetition_penalty=1.3, no_repeat_ngram_size=2, seed=2)
+      res["tree/mesh"] = specjax.generate(target, PROMPTS, mesh=mesh, **extra).tokens
+      res["tree/one"] = specjax.generate(targets[name], PROMPTS, **extra).tokens
+      _tick("t1, state, tree")
   print("RESULT " + json.dumps(res), flush=True)
 
 
@@ -402,6 +407,10 @@ class MeshTest(parameterized.TestCase):
       else:
         self.assertEqual(shard, whole, path)  # norms, position embeddings, output biases
     self.assertGreaterEqual(len(seen), 5)
+
+  def test_tree_processors_and_filters_same_tokens(self):
+    r = result("mesh")
+    self.assertEqual(r["tree/mesh"], r["tree/one"])
 
   def test_checkpoint_loads_into_its_shards(self):
     r = result("mesh")

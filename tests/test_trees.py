@@ -9,12 +9,15 @@ import numpy as np
 from absl.testing import parameterized
 
 import specjax
+from specjax import constraints
+from specjax import decode as decode_lib
 from specjax import kv_cache
 from specjax import model as model_lib
 from specjax import trees
 from specjax.verify import residual
 from conftest import (PROMPTS, exact_continuations, greedy_oracle, target_and_draft, tempered,
                       tiny_model)
+from test_processors import EOS, PROMPT as PROC_PROMPT, exact_law, law_check
 
 
 def node_law(p, q, children, rule):
@@ -145,6 +148,85 @@ class GreedyTest(parameterized.TestCase):
       self.assertEqual(out, greedy_oracle(target, prompt, 12))
 
 
+class CharTokenizer:
+  """One character per token, enough for `constraints.regex`."""
+  chars = "abcdefgh0123 ()."
+  vocab_size = len(chars)
+
+  def decode(self, ids):
+    return "".join(self.chars[i] for i in ids)
+
+
+PROC_KW = dict(repetition_penalty=[1.3, 2.0, 1.1], no_repeat_ngram_size=[2, 3, 0],
+               presence_penalty=0.2, logit_bias={5: 0.5})
+
+
+class ProcessorTest(parameterized.TestCase):
+  """Each node is processed with committed history + its root-to-node path; the committed
+  history advances along the accepted path only."""
+
+  def _pair(self):
+    return (tiny_model(vocab=16, n_layers=2, seed=3, sharpness=1.5),
+            tiny_model(vocab=16, d_model=16, seed=8, sharpness=1.5))
+
+  @parameterized.named_parameters(
+      ("penalties_topk_221", (2, 2, 1), "greedy", PROC_KW),
+      ("penalties_sampled_paths", [(0,), (1,), (2,), (0, 0), (1, 0), (0, 0, 0)],
+       "probabilistic", PROC_KW),
+      ("regex_topk_421", (4, 2, 1), "greedy", "regex"),
+      ("regex_and_penalty_sampled_22", (2, 2), "probabilistic", "regex+rep"))
+  def test_greedy_equals_target_only(self, tree, mode, kw):
+    target, draft = self._pair()
+    if isinstance(kw, str):
+      automaton = constraints.regex(r"[a-f]+( [0-3a-c]+)*\.?", CharTokenizer())
+      kw = dict(constraint=automaton, **(dict(repetition_penalty=1.5) if "rep" in kw else {}))
+    ar = specjax.generate(target, PROMPTS, max_new_tokens=12, **kw)
+    plain = specjax.generate(target, PROMPTS, max_new_tokens=12)
+    self.assertNotEqual(ar.tokens, plain.tokens)  # the processors change the output
+    res = specjax.generate(target, PROMPTS, max_new_tokens=12, draft=draft, tree=tree,
+                           draft_sample=mode, **kw)
+    self.assertEqual(res.tokens, ar.tokens)
+    self.assertGreater(res.stats["accepted"], 0)
+
+  def test_committed_history_for_every_node_is_caught(self):
+    """The serving-engine bug (every node processed with the committed history only)
+    breaks greedy equality on the same inputs."""
+    target, draft = self._pair()
+    ar = specjax.generate(target, PROMPTS, max_new_tokens=12, **PROC_KW)
+    right = decode_lib._per_node
+
+    def committed_only(sampling, history, tokens, tree):
+      out = right(sampling, history, tokens, tree)
+      return jax.tree_util.tree_map(lambda x: jnp.repeat(x[:, :1], x.shape[1], axis=1), out)
+
+    decode_lib._per_node = committed_only
+    decode_lib.decode.clear_cache()
+    try:
+      res = specjax.generate(target, PROMPTS, max_new_tokens=12, draft=draft, tree=(2, 2, 1),
+                             draft_sample="greedy", **PROC_KW)
+    finally:
+      decode_lib._per_node = right
+      decode_lib.decode.clear_cache()
+    self.assertNotEqual(res.tokens, ar.tokens)
+
+  @parameterized.named_parameters(
+      ("sampled_22_rep_ngram", (2, 2), "probabilistic",
+       dict(repetition_penalty=2.5, no_repeat_ngram_size=2)),
+      ("topk_211_penalties_min_new", (2, 1, 1), "greedy",
+       dict(repetition_penalty=2.5, presence_penalty=0.7, frequency_penalty=0.4,
+            min_new_tokens=1, logit_bias={2: 1.5})))
+  def test_three_token_law(self, tree, mode, kw):
+    target, draft = target_and_draft()
+    rows, length, temperature = 12000, 3, 0.8
+    law = exact_law(target, PROC_PROMPT, length, temperature, kw)
+    res = specjax.generate(target, [PROC_PROMPT] * rows, max_new_tokens=length, draft=draft,
+                           tree=tree, draft_sample=mode, temperature=temperature, seed=6,
+                           eos_id=EOS, **kw)
+    ok, worst = law_check(law, res.tokens, length)
+    self.assertTrue(ok, f"worst z={worst}")
+    self.assertGreater(res.stats["rounds"], rows)  # drafts were rejected
+
+
 class TreeAttentionTest(parameterized.TestCase):
 
   def _setup(self):
@@ -191,7 +273,7 @@ class BadInputTest(parameterized.TestCase):
       ("bad_paths", dict(tree=[(0, 1)]), "parent path"),
       ("ngram", dict(tree=(2, 2), drafter="ngram"), "chains only"),
       ("gamma_disagrees", dict(tree=(2, 2), gamma=3), "depth 2"),
-      ("processors", dict(tree=(2, 2), repetition_penalty=1.2), "tree= works"),
+      ("lossy_rule", dict(tree=(2, 2), verify_rule="typical"), "exact rule only"),
       ("not_a_tree", dict(tree="wide"), "branching factors"))
   def test_raises(self, kw, message):
     target, draft = target_and_draft()
