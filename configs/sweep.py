@@ -46,9 +46,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Only the 'exact' rule is lossless; rows carry `lossless`.
   c.gamma_policy = ("fixed",)
   c.verify_rule = ("exact",)
-  c.draft_confidence = 0.4  # for gamma_policy 'confidence
-  # Token trees for the model drafter (branching factors, or lists of paths), swept at the
-  # other axes' first drafter and γ: e.g. --config.trees='((2,2,1,1),(4,2,1,1))'.
+  c.draft_confidence = 0.4  # for gamma_policy 'confidence'
+  # Token trees (branching factors, or lists of paths), swept at the other axes' first
+  # drafter and γ: e.g. --config.trees='((2,2,1,1),(4,2,1,1))'. n-gram trees when the first
+  # drafter is 'ngram', model-drafter trees otherwise.
   c.trees = ()
   c.ngram_min = 1
   c.ngram_max = 4

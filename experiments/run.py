@@ -69,7 +69,7 @@ def validate(cfg) -> None:
       generation.make_tree(tree, None)
     except ValueError as e:
       fail("trees", str(e))
-  if ("model" in cfg.drafter or cfg.trees) and not cfg.draft:
+  if ("model" in cfg.drafter or _tree_drafter(cfg) == "model") and not cfg.draft:
     fail("draft", "drafter 'model' needs a draft model")
   for d in generation.HEAD_DRAFTERS:
     if d in cfg.drafter and not cfg.get(f"{d}_head"):
@@ -132,12 +132,13 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
   fields = GRID_FIELDS + tuple(PROCESSOR_FIELDS)
   grid = [dict(zip(fields, values)) for values in itertools.product(
       *(tuple(cfg[f]) for f in fields))]
-  # Token trees: model-drafter points whose γ is the tree's depth, at every processor
-  # setting (each node is processed with its own root-to-node history).
+  # Token trees: points whose γ is the tree's depth, at every processor setting (each node
+  # is processed with its own root-to-node history); n-gram trees when the first drafter
+  # is 'ngram', model-drafter trees otherwise.
   for tree in cfg.trees:
     depth = generation.make_tree(tree, None).depth
-    grid += [dict(p, drafter="model", gamma=depth, tree=[list(x) if isinstance(x, (list, tuple))
-                                                         else x for x in tree])
+    as_json = [list(x) if isinstance(x, (list, tuple)) else x for x in tree]
+    grid += [dict(p, drafter=_tree_drafter(cfg), gamma=depth, tree=as_json)
              for p in grid if p["drafter"] == cfg.drafter[0] and p["gamma"] == cfg.gamma[0]
              and p["gamma_policy"] == "fixed" and p["verify_rule"] == "exact"]
   # Heads are small: load them first (a bad name fails before the models load).
@@ -155,8 +156,8 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
   if models is not None:
     target, draft = models
   else:
-    target, draft = common.load_pair(cfg.target,
-                                     cfg.draft if "model" in cfg.drafter or cfg.trees else None)
+    needs_draft = "model" in cfg.drafter or _tree_drafter(cfg) == "model"
+    target, draft = common.load_pair(cfg.target, cfg.draft if needs_draft else None)
   for head in heads.values():
     head.check_target(target)  # a head trained on another target: stop before timing
   if prompts is None:
@@ -242,6 +243,14 @@ def make_row(point, timing, sc, machine) -> dict:
       draft_propose_ms=sc["propose_s"] * 1e3,
       predicted_speedup=predicted, machine=machine,
   )
+
+
+def _tree_drafter(cfg):
+  """Which drafter the `trees` axis uses: 'ngram' if it is the first drafter, else 'model'
+  (None without trees)."""
+  if not cfg.trees:
+    return None
+  return "ngram" if cfg.drafter[0] == "ngram" else "model"
 
 
 def _as_tree(tree):

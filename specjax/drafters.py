@@ -191,18 +191,23 @@ class NgramDrafter:
   def prefill(self, params, state, tokens, n, features=None):
     return state
 
-  def _propose_row(self, tokens, n):
+  def _scores(self, tokens, n):
+    """One row: int32[S], per continuation start i (the matched n-gram ends at i-1), the
+    rank of its match — longest first, then the most recent — or -1 for no match."""
     size = tokens.shape[0]
-    starts = jnp.arange(size)  # candidate continuation start i; matched n-gram ends at i-1
+    starts = jnp.arange(size)
     ks = jnp.arange(1, self.max_n + 1)[:, None]
     earlier = jnp.take(tokens, starts[None, :] - ks, mode="clip")
     suffix = jnp.take(tokens, n - ks, mode="clip")
     same = (earlier == suffix) & (starts[None, :] - ks >= 0) & (n - ks >= 0)
     match_len = jnp.sum(jnp.cumprod(same.astype(jnp.int32), axis=0), axis=0)
     ok = (starts < n) & (match_len >= self.min_n)
-    # Longest match first, then the most recent one.
-    best = jnp.argmax(jnp.where(ok, match_len * size + starts, -1))
-    best = jnp.where(ok[best], best, n - 1)
+    return jnp.where(ok, match_len * size + starts, -1)
+
+  def _propose_row(self, tokens, n):
+    score = self._scores(tokens, n)
+    best = jnp.argmax(score)
+    best = jnp.where(score[best] >= 0, best, n - 1)
     period = n - best
     return jnp.take(tokens, best + jnp.arange(self.gamma) % period, mode="clip")
 

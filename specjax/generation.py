@@ -103,6 +103,8 @@ def make_drafter(target: Model, draft: Model | None, drafter: str | None, gamma:
   if drafter is None and draft is not None:
     drafter = draft.kind if is_head else "model"
   if drafter is None:
+    if tree is not None:
+      raise ValueError("tree= needs a drafter: draft=<a draft model> or drafter='ngram'")
     return drafters_lib.NoDrafter(vocab_size=target.config.vocab_size)
   if drafter not in DRAFTERS:
     raise ValueError(f"drafter must be one of {DRAFTERS} (or None), got {drafter!r}")
@@ -112,7 +114,8 @@ def make_drafter(target: Model, draft: Model | None, drafter: str | None, gamma:
       raise ValueError(f"drafter={drafter!r} needs draft=<a {drafter} head> (e.g. "
                        f"load_pretrained('stdlib-{drafter}')), got {got}")
     if tree is not None:
-      raise ValueError(f"tree= needs drafter='model'; the {drafter} head proposes chains only")
+      raise ValueError(f"tree= needs drafter='model' or 'ngram'; the {drafter} head proposes "
+                       "chains only")
     if draft_sample not in DRAFT_SAMPLE_MODES:
       raise ValueError(f"draft_sample must be one of {DRAFT_SAMPLE_MODES}, "
                        f"got {draft_sample!r}")
@@ -122,13 +125,16 @@ def make_drafter(target: Model, draft: Model | None, drafter: str | None, gamma:
   if tree is not None:
     tree = make_tree(tree, gamma)
     gamma = tree.depth
-    if drafter != "model":
-      raise ValueError(f"tree= needs drafter='model' (a draft model); the {drafter!r} "
-                       "drafter proposes chains only")
+    if drafter not in ("model", "ngram"):
+      raise ValueError(f"tree= needs drafter='model' (a draft model) or 'ngram'; the "
+                       f"{drafter!r} drafter proposes chains only")
   gamma = checks.int_at_least("gamma (draft length)", 4 if gamma is None else gamma, 1)
   if drafter == "ngram":
     if not (checks.is_int(ngram_min) and checks.is_int(ngram_max) and 1 <= ngram_min <= ngram_max):
       raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {ngram_min}, {ngram_max}")
+    if tree is not None:  # several earlier matches: distinct continuations as a tree
+      return trees.NgramTreeDrafter(vocab_size=target.config.vocab_size, gamma=gamma,
+                                    min_n=int(ngram_min), max_n=int(ngram_max), tree=tree)
     return drafters_lib.NgramDrafter(vocab_size=target.config.vocab_size, gamma=gamma,
                                      min_n=int(ngram_min), max_n=int(ngram_max))
   if draft is None:
@@ -344,10 +350,12 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
       this target (`load_pretrained('stdlib-eagle')`, 'stdlib-medusa'; `specjax.heads`),
       which drafts from the target's own hidden states.
     gamma: draft tokens proposed per round (default 4; with a tree, its depth).
-    tree: a token tree for the model drafter: branching factors (k_1, ..., k_d) (every
-      node at depth j-1 gets k_j children; (1,)*γ is the chain) or Medusa-style paths of
-      child ranks, e.g. [(0,), (1,), (0, 0)]. The target scores every node in one pass
-      and the walk down from the root keeps the output exactly the target's.
+    tree: a token tree for the model or n-gram drafter: branching factors (k_1, ..., k_d)
+      (every node at depth j-1 gets k_j children; (1,)*γ is the chain) or Medusa-style
+      paths of child ranks, e.g. [(0,), (1,), (0, 0)]. The target scores every node in
+      one pass and the walk down from the root keeps the output exactly the target's.
+      The n-gram drafter's children are the distinct continuations of different earlier
+      matches (best match first).
     drafter: 'model', 'ngram' (prompt lookup, no draft model), 'eagle' / 'medusa' (with
       draft=<that head>) or None (infer from draft).
     draft_sample: 'probabilistic' (sample from q) or 'greedy' (argmax, one-hot q).

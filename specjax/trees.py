@@ -16,10 +16,14 @@ against the children in order.
 If every child is rejected the token is drawn from what is left of p; accepting a child
 moves to it with that child's own p; at a leaf the bonus token is drawn from its p.
 Both node rules emit exactly p (docs/ARCHITECTURE.md says why; tests/test_trees.py
-checks it in float64 and by sampling). Treating top-k children as samples (min(1, p/q)
-with a one-hot q) would accept x with probability p(x) at each try, but then residual
-[p - onehot]_+ keeps x's other mass out only partly — that rule is not exact, and the
-float64 test shows it.
+checks it in float64 and by sampling). Treating top-k children as samples from the
+draft's soft q (accept with min(1, p/q), residual [p - q]_+) is not exact: they were not
+drawn from q, and the float64 test shows the law moving. (With a one-hot q the sampled
+rule is the point-mass rule: [p - onehot(x)]_+ is p with x zeroed.)
+
+Drafters of trees: `TreeModelDrafter` (a draft model, depth by depth with a tree mask)
+and `NgramTreeDrafter` (prompt lookup: distinct continuations of several earlier
+matches, as a trie cut to the tree's shape).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import numpy as np
 from specjax import kv_cache
 from specjax import model as model_lib
 from specjax import processors
-from specjax.drafters import ModelDrafter
+from specjax.drafters import ModelDrafter, NgramDrafter
 from specjax.sampling import sample
 from specjax.verify import residual
 
@@ -210,6 +214,62 @@ class TreeModelDrafter(ModelDrafter):
       kv = compact(kv, src, start + 1, jnp.sum(path[:, :fed] >= 0, axis=1))
       kv = kv.rollback(start + 1 + jnp.sum(path[:, :fed] >= 0, axis=1))
     return kv.rollback(jnp.minimum(kv.length, n - 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class NgramTreeDrafter(NgramDrafter):
+  """Prompt lookup as a tree: several earlier matches, several continuations.
+
+  The best `candidates` earlier matches of the suffix (max_n..min_n tokens) are candidate
+  continuations, wrapping periodically past the end as in the chain; they form a trie, cut to
+  the static tree: a node's children are the distinct next tokens of the candidates that
+  agree with its root-to-node path, best match first (longest, then most recent). The
+  leftmost path is the chain's proposal. A child with no candidate left repeats its
+  parent's token (the chain's no-match proposal; harmless). Children are fixed tokens, so
+  the walk uses the point-mass rule (`sample_mode = 'greedy'`), q is one-hot.
+  """
+
+  tree: Tree | None = None
+  candidates: int = 32  # the best matches considered (a trie over their continuations)
+  sample_mode = "greedy"  # deterministic children: the point-mass node rule
+
+  def _propose_row(self, tokens, n):
+    tree = self.tree
+    score = self._scores(tokens, n)  # [S]
+    m = min(self.candidates, tokens.shape[0])
+    score, start = jax.lax.top_k(score, m)  # the m best matches, best first
+    period = jnp.maximum(n - start, 1)
+    cont = jnp.take(tokens, start[:, None] + jnp.arange(tree.depth)[None, :]
+                    % period[:, None], mode="clip")  # [m, depth]
+    member = (score >= 0)[None, :]  # [F, m]: candidates agreeing with each frontier path
+    front_tokens = jnp.take(tokens, n - 1, mode="clip")[None]  # [F]: the root's token
+    earlier = np.tril(np.ones((m, m), bool), -1).T  # [c', c]: c' ranks before c
+    frontier_nodes = [-1]
+    out = []
+    for d, (first, count) in enumerate(tree.levels):
+      nodes = list(range(first, first + count))
+      where = np.asarray([frontier_nodes.index(tree.parents[i]) for i in nodes])
+      ranks = np.asarray([tree.ranks[i] for i in nodes])
+      nxt = cont[:, d]
+      # A candidate opens a child if no better member of the same node has its next token.
+      shadow = (nxt[:, None] == nxt[None, :]) & earlier  # [c', c]
+      dup = (member.astype(jnp.int32) @ shadow.astype(jnp.int32)) > 0
+      opens = member & ~dup  # [F, m]
+      rank = jnp.cumsum(opens, axis=1) - 1
+      pick = opens[where] & (rank[where] == ranks[:, None])  # [count, m]
+      found = jnp.any(pick, axis=1)
+      ys = jnp.where(found, nxt[jnp.argmax(pick, axis=1)], front_tokens[where])
+      out.append(ys)
+      member = member[where] & found[:, None] & (nxt[None, :] == ys[:, None])
+      front_tokens, frontier_nodes = ys, nodes
+    return jnp.concatenate(out)
+
+  def propose(self, params, state, tokens, n, key, sampling):
+    y = jax.vmap(self._propose_row)(tokens, n).astype(jnp.int32)  # [B, N]
+    return y, jax.nn.one_hot(y, self.vocab_size, dtype=jnp.float32), state
+
+  def rollback(self, state, n, features=None, start=None, path=None):
+    return state
 
 
 def _span(level):

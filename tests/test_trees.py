@@ -11,6 +11,7 @@ from absl.testing import parameterized
 import specjax
 from specjax import constraints
 from specjax import decode as decode_lib
+from specjax import drafters
 from specjax import kv_cache
 from specjax import model as model_lib
 from specjax import trees
@@ -174,7 +175,8 @@ class ProcessorTest(parameterized.TestCase):
       ("penalties_sampled_paths", [(0,), (1,), (2,), (0, 0), (1, 0), (0, 0, 0)],
        "probabilistic", PROC_KW),
       ("regex_topk_421", (4, 2, 1), "greedy", "regex"),
-      ("regex_and_penalty_sampled_22", (2, 2), "probabilistic", "regex+rep"))
+      ("regex_and_penalty_sampled_22", (2, 2), "probabilistic", "regex+rep"),
+      ("ngram_penalties_311", (3, 1, 1), "ngram", PROC_KW))
   def test_greedy_equals_target_only(self, tree, mode, kw):
     target, draft = self._pair()
     if isinstance(kw, str):
@@ -183,8 +185,8 @@ class ProcessorTest(parameterized.TestCase):
     ar = specjax.generate(target, PROMPTS, max_new_tokens=12, **kw)
     plain = specjax.generate(target, PROMPTS, max_new_tokens=12)
     self.assertNotEqual(ar.tokens, plain.tokens)  # the processors change the output
-    res = specjax.generate(target, PROMPTS, max_new_tokens=12, draft=draft, tree=tree,
-                           draft_sample=mode, **kw)
+    spec = dict(drafter="ngram") if mode == "ngram" else dict(draft=draft, draft_sample=mode)
+    res = specjax.generate(target, PROMPTS, max_new_tokens=12, tree=tree, **spec, **kw)
     self.assertEqual(res.tokens, ar.tokens)
     self.assertGreater(res.stats["accepted"], 0)
 
@@ -225,6 +227,63 @@ class ProcessorTest(parameterized.TestCase):
     ok, worst = law_check(law, res.tokens, length)
     self.assertTrue(ok, f"worst z={worst}")
     self.assertGreater(res.stats["rounds"], rows)  # drafts were rejected
+
+
+def ngram_tree(row, n, tree, vocab=16):
+  """The n-gram tree drafter's node tokens for one history row[:n]."""
+  tree = trees.Tree.from_branching(tree)
+  drafter = trees.NgramTreeDrafter(vocab_size=vocab, gamma=tree.depth, tree=tree)
+  buf = np.zeros((1, 32), np.int32)
+  buf[0, :len(row)] = row
+  y, q, _ = drafter.propose(None, (), jnp.asarray(buf), jnp.asarray([n]), None, None)
+  np.testing.assert_array_equal(q, jax.nn.one_hot(y, vocab))
+  return np.asarray(y)[0].tolist()
+
+
+class NgramTreeTest(parameterized.TestCase):
+  """Prompt lookup as a tree: distinct continuations of several earlier matches."""
+
+  def test_distinct_children_from_several_matches(self):
+    # "1" occurs after 5, 7, 6 (starts 2, 5, 8): continuations 2 7 1, 3 6 1, 4 0 1;
+    # the most recent first, and the leftmost path is the chain's proposal.
+    row = [5, 1, 2, 7, 1, 3, 6, 1, 4, 0, 1]
+    self.assertEqual(ngram_tree(row, 11, (3, 1, 1)), [4, 3, 2, 0, 6, 7, 1, 1, 1])
+    chain = drafters.NgramDrafter(vocab_size=16, gamma=3).propose(
+        None, (), jnp.asarray([row + [0] * 21]), jnp.asarray([11]), None, None)[0]
+    self.assertEqual(np.asarray(chain)[0].tolist(), [4, 0, 1])
+    # A fourth child has no match left: it repeats its parent's token (the root's, 1).
+    self.assertEqual(ngram_tree(row, 11, (4, 1, 1))[:4], [4, 3, 2, 1])
+    # Matches sharing a first token branch one level down (a trie): 2 then 7 | 6.
+    self.assertEqual(ngram_tree([1, 2, 5, 1, 2, 6, 1, 2, 7, 0, 1], 11, (2, 2))[:4],
+                     [2, 1, 7, 6])
+    # A longer match ranks before a more recent shorter one: "3 1" at start 2 (-> 3 ...)
+    # and at start 4 (-> 2 ...), "1" alone nowhere else.
+    self.assertEqual(ngram_tree([3, 1, 3, 1, 2, 3, 1], 7, (2, 2, 1)),
+                     [2, 3, 3, 2, 1, 3, 1, 2, 2, 3])
+
+  @parameterized.parameters((3, 1, 1), (2, 2, 1), [[(0,), (1,), (0, 0), (1, 0), (0, 0, 0)]])
+  def test_equals_target_greedy(self, *tree):
+    tree = tree[0] if len(tree) == 1 else tree
+    target = tiny_model(vocab=16, n_layers=2, seed=3, sharpness=1.5)
+    prompts = [[1, 2, 3, 1, 2, 4, 1, 2], [4, 5, 6, 7, 0, 1, 2, 3, 4], [7]]
+    res = specjax.generate(target, prompts, max_new_tokens=16, drafter="ngram", tree=tree)
+    for prompt, out in zip(prompts, res.tokens):
+      self.assertEqual(out, greedy_oracle(target, prompt, 16))
+    self.assertGreater(res.stats["accepted"], 0)
+
+  def test_three_token_law_T1(self):
+    target, _ = target_and_draft()
+    prompt, length, rows = [3, 1, 3, 1, 2, 3, 1], 3, 12000
+    res = specjax.generate(target, [prompt] * rows, max_new_tokens=length, drafter="ngram",
+                           tree=(2, 2, 1), temperature=1.0, seed=4)
+    conts, probs = exact_continuations(target, prompt, length)
+    outs = np.array(res.tokens)
+    counts = np.bincount(np.ravel_multi_index(outs.T, (8,) * length), minlength=8 ** length)
+    sd = np.sqrt(rows * probs * (1 - probs))
+    worst = np.max(np.abs(counts - rows * probs) / (sd + 1e-12))
+    self.assertTrue(np.all(np.abs(counts - rows * probs) <= 5 * sd + 1), f"worst z={worst}")
+    self.assertGreater(res.stats["accepted"], rows // 10)  # the tree's branches were used
+    self.assertLess(res.stats["acceptance_rate"], 0.95)
 
 
 class TreeAttentionTest(parameterized.TestCase):
@@ -271,14 +330,12 @@ class BadInputTest(parameterized.TestCase):
   @parameterized.named_parameters(
       ("zero_branch", dict(tree=(2, 0)), "branching"),
       ("bad_paths", dict(tree=[(0, 1)]), "parent path"),
-      ("ngram", dict(tree=(2, 2), drafter="ngram"), "chains only"),
+      ("no_drafter", dict(tree=(2, 2), draft=None), "needs a drafter"),
       ("gamma_disagrees", dict(tree=(2, 2), gamma=3), "depth 2"),
       ("lossy_rule", dict(tree=(2, 2), verify_rule="typical"), "exact rule only"),
       ("not_a_tree", dict(tree="wide"), "branching factors"))
   def test_raises(self, kw, message):
     target, draft = target_and_draft()
-    kw = dict(kw)
-    if kw.get("drafter") != "ngram":
-      kw["draft"] = draft
+    kw = dict(dict(draft=draft), **kw)
     with self.assertRaisesRegex(ValueError, message):
       specjax.generate(target, [[1, 2]], max_new_tokens=4, **kw)

@@ -1,0 +1,98 @@
+"""The stateless pieces of attention: RoPE, attention over a KV cache, fused projections.
+
+Pure jnp / numpy functions, no parameters: `specjax.model`'s `Attention` and `MLP` call
+them, and profiling code can time them alone.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.config import ModelConfig
+
+
+def split_fused(x, groups: int, sizes):
+  """The parts of a fused projection's output x [..., G * sum(sizes)], each [..., G * size].
+
+  The fused axis holds G consecutive groups [part 0 | part 1 | ...] (`qkv_groups`,
+  `mlp_groups`); part i gathers its slice of every group, in order. G = 1 is a plain
+  split.
+  """
+  x = x.reshape(x.shape[:-1] + (groups, sum(sizes)))
+  ends = np.cumsum(sizes)
+  return [x[..., end - size:end].reshape(x.shape[:-2] + (groups * size,))
+          for size, end in zip(sizes, ends)]
+
+
+def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
+  """RoPE inverse frequencies float32[head_dim // 2], with `cfg.rope_scaling` applied.
+
+  Computed in float64 on the host (a constant of the traced program). 'llama3' scaling
+  (Llama 3.1+) divides the low frequencies (wavelengths beyond
+  original_max / low_freq_factor) by `factor`, keeps the high ones (wavelengths under
+  original_max / high_freq_factor) and interpolates smoothly in between.
+  """
+  dim = cfg.head_dim
+  inv_freq = 1.0 / cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+  scaling = dict(cfg.rope_scaling or ())
+  if scaling.get("rope_type") == "llama3":
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * np.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low)
+    inv_freq = np.where(wavelen > old_len / low, inv_freq / factor,
+                        np.where(wavelen < old_len / high, inv_freq,
+                                 (1 - smooth) * inv_freq / factor + smooth * inv_freq))
+  elif scaling:
+    raise ValueError(f"unsupported rope_scaling {scaling}")
+  return inv_freq.astype(np.float32)
+
+
+def rope(x: jax.Array, positions: jax.Array, freqs) -> jax.Array:
+  """Rotary embedding in the rotate-half layout (the one Hugging Face Llama uses).
+
+  x: [B, T, H, D]; positions: int[B, T]; freqs: float32[D // 2], `rope_frequencies`.
+  """
+  half = x.shape[-1] // 2
+  angles = positions[..., None].astype(jnp.float32) * freqs  # [B, T, half]
+  cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+  x1, x2 = x[..., :half], x[..., half:]
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def attend(q, k, v, cache=None, mask=None):
+  """Attention of T new queries over the cached keys plus the T new keys.
+
+  q: [B, T, H, D]; k, v: [B, T, KVH, D] for the same T tokens; cache: optional
+  (k_buf, v_buf, length) with buffers [B, KVH, S, D] whose first length[b] slots are the
+  history. The cache is only read here (it is written after), which lets XLA update it
+  in place instead of copying it every step. Heads are grouped for GQA.
+  mask: None (causal over the chunk, the first `length` slots of the cache) or, for
+  token trees, (chunk bool[T, T], slots bool[B, T, S] or None): which new tokens and
+  which cache slots each query sees.
+  """
+  b, t, h, d = q.shape
+  kvh = k.shape[2]
+  qg = q.reshape(b, t, kvh, h // kvh, d) * (d ** -0.5)
+  chunk, slots = (jnp.tril(jnp.ones((t, t), bool)), None) if mask is None else mask
+  scores = [jnp.where(chunk, jnp.einsum("btkgd,bukd->bkgtu", qg, k), -1e30)]
+  if cache is not None:
+    k_buf, v_buf, length = cache
+    if slots is None:
+      valid = jnp.arange(k_buf.shape[2])[None, :] < length[:, None]  # [B, S]
+      seen = valid[:, None, None, None, :]
+    else:
+      valid, seen = jnp.any(slots, axis=1), slots[:, None, None]  # seen by some query
+    # Invalid slots may hold anything (stale drafts, NaN): zero them so 0 * NaN never
+    # reaches the weighted sum.
+    v_buf = jnp.where(valid[:, None, :, None], v_buf, 0.0)
+    cached = jnp.einsum("btkgd,bksd->bkgts", qg, k_buf)
+    scores.insert(0, jnp.where(seen, cached, -1e30))
+  weights = jax.nn.softmax(jnp.concatenate(scores, axis=-1).astype(jnp.float32), axis=-1)
+  weights = weights.astype(v.dtype)
+  out = jnp.einsum("bkgtu,bukd->btkgd", weights[..., -t:], v)
+  if cache is not None:
+    out = out + jnp.einsum("bkgts,bksd->btkgd", weights[..., :-t], v_buf)
+  return out.reshape(b, t, h * d)
