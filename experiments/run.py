@@ -135,12 +135,12 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
   # Token trees: points whose γ is the tree's depth, at every processor setting (each node
   # is processed with its own root-to-node history); n-gram trees when the first drafter
   # is 'ngram', model-drafter trees otherwise.
-  for tree in cfg.trees:
+  base = [p for p in grid if p["drafter"] == cfg.drafter[0] and p["gamma"] == cfg.gamma[0]
+          and p["gamma_policy"] == "fixed" and p["verify_rule"] == "exact"]
+  for tree in cfg.trees:  # each tree over the chain points only (not the previous trees')
     depth = generation.make_tree(tree, None).depth
     as_json = [list(x) if isinstance(x, (list, tuple)) else x for x in tree]
-    grid += [dict(p, drafter=_tree_drafter(cfg), gamma=depth, tree=as_json)
-             for p in grid if p["drafter"] == cfg.drafter[0] and p["gamma"] == cfg.gamma[0]
-             and p["gamma_policy"] == "fixed" and p["verify_rule"] == "exact"]
+    grid += [dict(p, drafter=_tree_drafter(cfg), gamma=depth, tree=as_json) for p in base]
   # Heads are small: load them first (a bad name fails before the models load).
   heads = {d: load_pretrained(cfg[f"{d}_head"]) for d in generation.HEAD_DRAFTERS
            if d in cfg.drafter}

@@ -109,6 +109,17 @@ def process_logits(logits: jax.Array, temperature, top_k, top_p) -> jax.Array:
   return jax.lax.cond(jnp.all(greedy), lambda: one_hot, processed)
 
 
+def agreement(q_logits: jax.Array, p_logits: jax.Array) -> dict[str, jax.Array]:
+  """Σ_x min(p(x), q(x)) per position of the processed q and p, at temperature 0
+  ('alpha_t0') and 1 ('alpha_t1'): the acceptance probability of one draft token."""
+  out = {}
+  for name, temperature in (("alpha_t0", 0.0), ("alpha_t1", 1.0)):
+    p = process_logits(p_logits, temperature, 0, 1.0)
+    q = process_logits(q_logits, temperature, 0, 1.0)
+    out[name] = jnp.minimum(p, q).sum(-1)
+  return out
+
+
 # Sorting the whole vocabulary is slow on XLA:CPU (~0.7 ms for 5 x 2048). The cut almost
 # always lies among the largest few logits, so it is found there with `lax.top_k`; rows
 # whose cut lies deeper fall back to an exact bisection over the float bit patterns.

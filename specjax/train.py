@@ -170,12 +170,7 @@ def evaluate(graphdef, params, windows: np.ndarray, byte_lengths: np.ndarray | N
 def _agreement_batch(target_graphdef, target_params, draft_graphdef, draft_params, tokens):
   p_logits = model_lib.forward(target_graphdef, target_params, tokens)
   q_logits = model_lib.forward(draft_graphdef, draft_params, tokens)
-  out = {}
-  for name, temperature in (("alpha_t0", 0.0), ("alpha_t1", 1.0)):
-    p = sampling.process_logits(p_logits, temperature, 0, 1.0)
-    q = sampling.process_logits(q_logits, temperature, 0, 1.0)
-    out[name] = jnp.minimum(p, q).sum(-1)
-  return out
+  return sampling.agreement(q_logits, p_logits)
 
 
 def acceptance_rate(target, draft, windows: np.ndarray, batch_size: int = 8) -> dict[str, float]:

@@ -48,15 +48,6 @@ def soft_cross_entropy(q_logits, p_logits) -> jax.Array:
   return -jnp.sum(p * jax.nn.log_softmax(q_logits.astype(jnp.float32), axis=-1), axis=-1)
 
 
-def _alphas(q_logits, p_logits):
-  out = {}
-  for name, temperature in (("alpha_t0", 0.0), ("alpha_t1", 1.0)):
-    p = sampling.process_logits(p_logits, temperature, 0, 1.0)
-    q = sampling.process_logits(q_logits, temperature, 0, 1.0)
-    out[name] = jnp.minimum(p, q).sum(-1)
-  return out
-
-
 def head_outputs(hc, params, feats, tokens, target_logits):
   """Teacher-forced head outputs paired with the target's logits for the same token.
 
@@ -125,7 +116,7 @@ def _alpha_batch(hc, target_graphdef, target_params, params, tokens):
   target_logits, feats = model_lib.forward(target_graphdef, target_params, tokens, hidden=True)
   pairs, _ = head_outputs(hc, {**params, **heads_lib.shared_params(target_params)},
                           feats.astype(jnp.float32), tokens, target_logits)
-  return [{k: v.sum() for k, v in _alphas(q, p).items()} | {"n": jnp.asarray(q.shape[0] * q.shape[1])}
+  return [{k: v.sum() for k, v in sampling.agreement(q, p).items()} | {"n": jnp.asarray(q.shape[0] * q.shape[1])}
           for q, p in pairs]
 
 

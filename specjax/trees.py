@@ -159,10 +159,20 @@ class TreeModelDrafter(ModelDrafter):
     if history is not None:
       logits = jax.vmap(sampling.adjust, in_axes=(1, 1), out_axes=1)(logits, history)
     q = sampling.process(logits)
+    top = lambda: jax.lax.top_k(logits, k)[1].astype(jnp.int32)
     if self.sample_mode == "greedy":
-      return jax.lax.top_k(logits, k)[1].astype(jnp.int32), q
-    keys = jax.random.split(key, k)
-    return jnp.stack([sample(kk, q) for kk in keys], axis=-1), q  # i.i.d. from q
+      return top(), q
+
+    def draws():  # i.i.d. from q; rows at T = 0 take the top-k (below)
+      keys = jax.random.split(key, k)
+      out = jnp.stack([sample(kk, q) for kk in keys], axis=-1)
+      return jnp.where((sampling.temperature <= 0)[:, None, None], top(), out)
+
+    # At T = 0 q is a point mass: k draws would be k copies of its argmax. The top-k are
+    # distinct, and still exact under the sampled rule, since p is a point mass too: a
+    # child is accepted iff it is the target's argmax, and a rejection leaves p as it was
+    # ([p - q]_+ is p, or empty and falling back to p).
+    return jax.lax.cond(jnp.all(sampling.temperature <= 0), top, draws), q
 
   def propose(self, params, kv, tokens, n, key, sampling):
     tree = self.tree

@@ -217,7 +217,7 @@ class SyntheticBenchTest(parameterized.TestCase):
 
   def test_smoke_run(self):
     from configs import bench as bench_config
-    from experiments import bench_synthetic
+    from experiments import synthetic
     import tempfile
     from pathlib import Path
     cfg = bench_config.get_config()
@@ -226,7 +226,7 @@ class SyntheticBenchTest(parameterized.TestCase):
     cfg.alpha, cfg.gamma, cfg.pairs, cfg.predict = (0.9,), (2,), 1, False
     cfg.num_prompts, cfg.prompt_tokens, cfg.max_new_tokens = 2, 8, 16
     with tempfile.TemporaryDirectory() as workdir:
-      rows = bench_synthetic.run(cfg, Path(workdir))
+      rows = synthetic.run(cfg, Path(workdir))
       self.assertIn("| batch |", (Path(workdir) / "summary.md").read_text())
     self.assertLen(rows, 1)
     self.assertFalse(rows[0]["lossless"])

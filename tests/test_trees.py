@@ -12,6 +12,7 @@ import specjax
 from specjax import constraints
 from specjax import decode as decode_lib
 from specjax import drafters
+from specjax import generation
 from specjax import kv_cache
 from specjax import model as model_lib
 from specjax import trees
@@ -147,6 +148,28 @@ class GreedyTest(parameterized.TestCase):
                            draft_sample=mode)
     for prompt, out in zip(PROMPTS, res.tokens):
       self.assertEqual(out, greedy_oracle(target, prompt, 12))
+
+
+class T0ChildrenTest(parameterized.TestCase):
+
+  def test_probabilistic_children_at_T0_are_the_distinct_top_k(self):
+    """k draws from a point mass would be k copies: at T = 0 the sampled mode takes the
+    draft's top-k, like the greedy mode (and stays exact: GreedyTest)."""
+    target = tiny_model(vocab=16, n_layers=2, seed=3, sharpness=1.5)
+    draft = tiny_model(vocab=16, d_model=16, seed=8, sharpness=1.5)
+    out = {}
+    for mode in ("probabilistic", "greedy"):
+      prep = generation.prepare(target, PROMPTS, max_new_tokens=4, temperature=[0.0, 0.0, 0.0],
+                                top_k=0, top_p=1.0, eos_id=None, draft=draft, tree=(3, 2),
+                                draft_sample=mode)
+      state = prep.prefill(jax.random.PRNGKey(0))
+      ys, _, _ = prep.engine.drafter.propose(prep.weights.draft, state.draft_state,
+                                             state.tokens, state.n, jax.random.PRNGKey(1),
+                                             prep.sampling)
+      out[mode] = np.asarray(ys)
+    np.testing.assert_array_equal(out["probabilistic"], out["greedy"])
+    for row in out["probabilistic"]:
+      self.assertLen(set(row[:3].tolist()), 3)
 
 
 class CharTokenizer:

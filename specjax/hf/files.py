@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.hf.config import config_from_hf, config_to_hf, export_type
-from specjax.hf.weights import float_dtype, params_from_hf, params_to_hf
-from specjax.model import Model
+from specjax.hf.weights import params_from_hf, params_to_hf
+from specjax.model import Model, float_dtype
 from specjax.pretrained import looks_like_hub_id
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",

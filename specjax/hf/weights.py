@@ -18,7 +18,7 @@ import numpy as np
 
 from specjax.config import ModelConfig
 from specjax.hf.config import export_type, family
-from specjax.model import Model, Params, abstract_params, graphdef_for
+from specjax.model import Model, Params, abstract_params, float_dtype
 
 # Buffers some checkpoints carry that hold no weights (causal masks, RoPE tables).
 _IGNORED_TENSORS = re.compile(r"(^|\.)attn\.(masked_)?bias$|rotary_emb\.inv_freq$")
@@ -130,17 +130,6 @@ def _get(tree: dict, path: tuple):
   for key in path:
     tree = tree[key]
   return tree
-
-
-def float_dtype(dtype) -> np.dtype:
-  """`dtype` as a numpy dtype; ValueError unless it is a floating one."""
-  try:
-    dt = jnp.dtype(dtype)
-  except TypeError as e:
-    raise ValueError(f"dtype must be a floating dtype, got {dtype!r}") from e
-  if not jnp.issubdtype(dt, jnp.floating):
-    raise ValueError(f"dtype must be a floating dtype, got {dt}")
-  return dt
 
 
 class MappingTensors:
