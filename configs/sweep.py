@@ -41,6 +41,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.presence_penalty = (0.0,)
   c.frequency_penalty = (0.0,)
   c.no_repeat_ngram_size = (0,)
+  # Draft length policy and verify rule (specjax.policies, specjax.rules), e.g.
+  # --config.gamma_policy='("fixed","heuristic","ledger")' --config.verify_rule='("exact","typical")'.
+  # Only the 'exact' rule is lossless; rows carry `lossless`.
+  c.gamma_policy = ("fixed",)
+  c.verify_rule = ("exact",)
+  c.draft_confidence = 0.4  # for gamma_policy 'confidence'
   # Token trees (branching factors, or lists of paths), swept at the other axes' first
   # drafter and γ: e.g. --config.trees='((2,2,1,1),(4,2,1,1))'. n-gram trees when the first
   # drafter is 'ngram', model-drafter trees otherwise.

@@ -22,10 +22,14 @@ _PROCESSORS = {"repetition_penalty": ("rep", 1.0), "presence_penalty": ("pres", 
                "frequency_penalty": ("freq", 0.0), "no_repeat_ngram_size": ("no-repeat", 0)}
 
 
+_METHODS = {"gamma_policy": ("γ policy", "fixed"), "verify_rule": ("rule", "exact")}
+
+
 def processors_label(r) -> str:
   """'rep 1.2, no-repeat 3' for the processors a row had on, and its tree ('' if none)."""
   parts = [f"{name} {r[k]:g}" for k, (name, off) in _PROCESSORS.items()
            if r.get(k, off) != off]
+  parts += [f"{name} {r[k]}" for k, (name, off) in _METHODS.items() if r.get(k, off) != off]
   if r.get("tree"):
     parts.append("tree " + str(tuple(tuple(x) if isinstance(x, list) else x
                                      for x in r["tree"])).replace(" ", ""))

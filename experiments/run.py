@@ -23,6 +23,7 @@ from experiments import plots
 from specjax import costs
 from specjax import generation
 from specjax import ledger
+from specjax import policies
 from specjax.pretrained import load_pretrained
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/sweep.py", "Sweep config.")
@@ -31,7 +32,9 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Where results go.", required=Tr
 GRID_FIELDS = ("drafter", "gamma", "temperature", "top_p", "batch_size")
 # Processor axes: neutral values mean off; rows written before they existed read as off.
 PROCESSOR_FIELDS = {"repetition_penalty": 1.0, "presence_penalty": 0.0,
-                    "frequency_penalty": 0.0, "no_repeat_ngram_size": 0}
+                    "frequency_penalty": 0.0, "no_repeat_ngram_size": 0,
+                    # γ policy and verify rule: 'fixed' / 'exact' = today's chain.
+                    "gamma_policy": "fixed", "verify_rule": "exact"}
 
 
 def validate(cfg) -> None:
@@ -49,6 +52,15 @@ def validate(cfg) -> None:
   for n in cfg.no_repeat_ngram_size:
     if not isinstance(n, int) or n < 0:
       fail("no_repeat_ngram_size", "sizes must be ints >= 0 (0 = off)")
+  for p in cfg.gamma_policy:
+    if p not in policies.POLICIES:
+      fail("gamma_policy", f"policies are {policies.POLICIES}")
+  for r in cfg.verify_rule:
+    if r not in ("exact", "typical", "threshold"):
+      fail("verify_rule", "the sweep runs 'exact', 'typical' and 'threshold' (with their "
+           "default settings; 'synthetic' is experiments.bench_synthetic's)")
+  if "confidence" in cfg.gamma_policy and not 0 < cfg.draft_confidence < 1:
+    fail("draft_confidence", "must be in (0, 1)")
   for d in cfg.drafter:
     if d not in generation.DRAFTERS:
       fail("drafter", f"unknown drafter {d!r}; use one of {generation.DRAFTERS}")
@@ -123,7 +135,8 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
   # Token trees: points whose γ is the tree's depth, at every processor setting (each node
   # is processed with its own root-to-node history); n-gram trees when the first drafter
   # is 'ngram', model-drafter trees otherwise.
-  base = [p for p in grid if p["drafter"] == cfg.drafter[0] and p["gamma"] == cfg.gamma[0]]
+  base = [p for p in grid if p["drafter"] == cfg.drafter[0] and p["gamma"] == cfg.gamma[0]
+          and p["gamma_policy"] == "fixed" and p["verify_rule"] == "exact"]
   for tree in cfg.trees:  # each tree over the chain points only (not the previous trees')
     depth = generation.make_tree(tree, None).depth
     as_json = [list(x) if isinstance(x, (list, tuple)) else x for x in tree]
@@ -165,8 +178,9 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
   bar = tqdm.tqdm(todo, desc="sweep", disable=not progress)
   for point in bar:
     bar.set_postfix_str(" ".join(f"{k}={v}" for k, v in point.items()))
+    methods = {k: point[k] for k in ("gamma_policy", "verify_rule")}
     sampling = dict(base, temperature=point["temperature"], top_p=point["top_p"],
-                    **{k: point[k] for k in PROCESSOR_FIELDS})
+                    **{k: point[k] for k in PROCESSOR_FIELDS if k not in methods})
     # A greedy draft skips sampling, so its cost depends on whether T is 0.
     tree = _as_tree(point.get("tree"))
     ckey = (point["drafter"], point["gamma"], point["batch_size"], point["temperature"] == 0,
@@ -177,7 +191,11 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
           target, drafter_model, point["drafter"], point["gamma"], point["batch_size"], context,
           (cfg.ngram_min, cfg.ngram_max), cfg.draft_sample, temperature=point["temperature"],
           tree=tree)
-    spec = dict(sampling, drafter=point["drafter"], ngram_min=cfg.ngram_min,
+    if point["gamma_policy"] == "ledger":  # this point's measured c and v
+      methods["draft_cost"] = step_costs[ckey]["c"] / step_costs[ckey]["v"]
+    if point["gamma_policy"] == "confidence":
+      methods["draft_confidence"] = cfg.draft_confidence
+    spec = dict(sampling, **methods, drafter=point["drafter"], ngram_min=cfg.ngram_min,
                 ngram_max=cfg.ngram_max,
                 **(dict(tree=tree) if tree else dict(gamma=point["gamma"])))
     if point["drafter"] == "model" or point["drafter"] in heads:
@@ -197,18 +215,22 @@ def make_row(point, timing, sc, machine) -> dict:
   stats = timing["method"]["stats"]
   alpha = stats["alpha_hat"]
   tree = _as_tree(point.get("tree"))
+  # An adaptive γ policy drafts L̄ < γ tokens a round on average: E(α̂, L̄) approximates.
+  drafted = stats["drafted"] / stats["rounds"] if stats["rounds"] and not tree else gamma
   if tree:
     parents = generation.make_tree(tree, None).parents
     expected = ledger.tree_expected_tokens(parents, alpha)
   else:
-    expected = float(ledger.expected_tokens(alpha, gamma))
-  predicted = expected / (gamma * sc["c"] + sc["v"])
+    expected = float(ledger.expected_tokens(alpha, drafted))
+  predicted = expected / (drafted * sc["c"] + sc["v"])
   return dict(
       point,
       rows=stats["rows"], rounds=stats["rounds"], target_calls=stats["target_calls"],
       drafted=stats["drafted"], accepted=stats["accepted"], committed=stats["committed"],
-      acceptance_rate=stats["acceptance_rate"], alpha_hat=alpha,
-      alpha_positions=ledger.alpha_from_positions(stats["accepted_at"], stats["rounds"]),
+      acceptance_rate=stats["acceptance_rate"], alpha_hat=alpha, lossless=stats["lossless"],
+      alpha_positions=ledger.alpha_from_positions(stats["accepted_at"], stats["rounds"],
+                                                  stats["verified_at"]),
+      draft_steps=stats["draft_steps"],
       tokens_per_target_call=stats["tokens_per_target_call"],
       expected_tokens=expected,
       acceptance_by_position=stats["acceptance_by_position"],

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from specjax import kv_cache
 from specjax import model as model_lib
+from specjax import policies
 from specjax import processors
 from specjax import sharding
 from specjax import trees
@@ -43,6 +44,7 @@ class Engine:
   target: ModelConfig
   drafter: Any  # a drafter from `specjax.drafters` (frozen dataclass)
   rule: Any = ExactRule()  # a verify rule from `specjax.verify` (frozen dataclass)
+  policy: policies.GammaPolicy = policies.GammaPolicy()  # draft length per row and round
   # The jax Mesh ('data', 'model') the state is laid out on (`specjax.sharding`); None:
   # wherever the inputs are (one device), and no constraint is traced.
   mesh: Any = None
@@ -67,6 +69,7 @@ class Stats:
   accepted: jax.Array  # int32[B] draft tokens accepted by verification
   committed: jax.Array  # int32[B] tokens committed (after stop truncation)
   accepted_at: jax.Array  # int32[B, γ] times position i was accepted
+  verified_at: jax.Array  # int32[B, γ] times position i was drafted and checked
   committed_hist: jax.Array  # int32[B, γ+2] histogram of tokens committed per round
   overlap_sum: jax.Array  # float32[B] Σ over verified positions of Σ_x min(p, q)
   overlap_count: jax.Array  # int32[B] verified positions
@@ -75,7 +78,7 @@ class Stats:
   def zeros(cls, batch: int, gamma: int) -> "Stats":
     zi = lambda *s: jnp.zeros((batch,) + s, jnp.int32)
     return cls(rounds=zi(), drafted=zi(), accepted=zi(), committed=zi(),
-               accepted_at=zi(gamma), committed_hist=zi(gamma + 2),
+               accepted_at=zi(gamma), verified_at=zi(gamma), committed_hist=zi(gamma + 2),
                overlap_sum=jnp.zeros((batch,), jnp.float32), overlap_count=zi())
 
 
@@ -91,6 +94,8 @@ class DecodeState:
   target_calls: jax.Array  # int32: batched target passes in the loop
   stats: Stats
   history: Any = None  # processors.History of the committed prefix (None: no processors)
+  draft_len: Any = None  # int32[B]: the heuristic γ policy's next length (None: fixed γ)
+  draft_steps: Any = None  # int32: draft steps the adaptive draft loop ran, all rounds
 
 
 # ----------------------------------------------------------------------------
@@ -140,17 +145,21 @@ def commit_count(n_accepted, room, hits, done):
   return count, stopped | (count >= room)
 
 
-def update_stats(s: Stats, live, n_accepted, count, overlap) -> Stats:
+def update_stats(s: Stats, live, n_accepted, count, overlap, lengths=None) -> Stats:
+  """Adds one round. lengths: int32[B] tokens each row drafted (None: γ, a fixed chain);
+  positions past a row's length were neither drafted nor verified."""
   gamma = s.accepted_at.shape[1]
   li = live.astype(jnp.int32)
-  verified = jnp.minimum(n_accepted + 1, gamma)  # positions whose draft token was checked
+  lengths = jnp.full_like(n_accepted, gamma) if lengths is None else lengths
+  verified = jnp.minimum(n_accepted + 1, lengths)  # positions whose draft token was checked
   pos = jnp.arange(gamma)[None, :]
   return Stats(
       rounds=s.rounds + li,
-      drafted=s.drafted + gamma * li,
+      drafted=s.drafted + lengths * li,
       accepted=s.accepted + n_accepted * li,
       committed=s.committed + count,
       accepted_at=s.accepted_at + (pos < n_accepted[:, None]) * li[:, None],
+      verified_at=s.verified_at + (pos < verified[:, None]) * li[:, None],
       committed_hist=s.committed_hist
       + jax.nn.one_hot(count, gamma + 2, dtype=jnp.int32) * li[:, None],
       overlap_sum=s.overlap_sum + li * jnp.sum(jnp.where(pos < verified[:, None], overlap, 0.0),
@@ -196,10 +205,17 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
   tree = getattr(drafter, "tree", None)  # a token tree's static shape; None for a chain
   key, draft_key, verify_key = jax.random.split(state.key, 3)
 
-  # 1. Draft.
-  ys, qs, draft_state = drafter.propose(weights.draft, state.draft_state, state.tokens,
-                                        state.n, draft_key,
-                                        sampling.replace(history=state.history))
+  # 1. Draft (an adaptive γ policy lets each row stop early: `specjax.policies`).
+  draft_sampling = sampling.replace(history=state.history)
+  policy, lengths = engine.policy, None
+  if policy.adaptive:
+    limit = jnp.where(state.done, 0, policy.limits(state.draft_len, state.stats, drafter.gamma))
+    ys, qs, draft_state, lengths, steps = policies.propose_upto(
+        drafter, weights.draft, state.draft_state, state.tokens, state.n, draft_key,
+        draft_sampling, limit, policy.confidence)
+  else:
+    ys, qs, draft_state = drafter.propose(weights.draft, state.draft_state, state.tokens,
+                                          state.n, draft_key, draft_sampling)
   # 2. Verify pass: the pending token and the γ drafts (or every tree node), one call.
   pending = jnp.take_along_axis(state.tokens, (state.n - 1)[:, None], axis=1)
   layout = {} if tree is None else trees.verify_layout(tree, state.n)
@@ -218,6 +234,9 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
   row_keys = jax.vmap(jax.random.fold_in, (None, 0))(verify_key, jnp.arange(ys.shape[0]))
   if tree is None:
     n_accepted, next_token, overlap = engine.rule(row_keys, ys, qs, ps)
+    if lengths is not None:  # as if each row had drafted a chain of its own length
+      n_accepted, next_token = policies.cut(n_accepted, next_token, ps, lengths,
+                                            jax.random.fold_in(verify_key, 2 ** 31 - 1))
   else:  # walk down from the root; ys becomes the accepted path's tokens
     n_accepted, next_token, overlap, path = trees.walk_batch(
         row_keys, ys, qs, ps, tree, drafter.sample_mode == "greedy")
@@ -244,13 +263,17 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
   else:  # the accepted path's KV moves into contiguous slots; other branches are dropped
     target_kv = trees.compact_path(target_kv, state.n - 1, path, n_accepted)
     draft_state = drafter.rollback(draft_state, n, features, state.n - 1, path=path)
+  adaptive = {} if lengths is None else dict(
+      draft_len=policy.update(state.draft_len, lengths, n_accepted, drafter.gamma),
+      draft_steps=state.draft_steps + steps)
   return state.replace(
       history=history,
       tokens=tokens, n=n, done=state.done | stop,
       target_kv=target_kv.rollback(n - 1),
       draft_state=draft_state,
       key=key, target_calls=state.target_calls + 1,
-      stats=update_stats(state.stats, ~state.done, n_accepted, count, overlap))
+      stats=update_stats(state.stats, ~state.done, n_accepted, count, overlap, lengths),
+      **adaptive)
 
 
 def prefill(engine: Engine, weights: Weights, tokens, prompt_len, prompt_width, cache_size,
@@ -270,7 +293,9 @@ def prefill(engine: Engine, weights: Weights, tokens, prompt_len, prompt_width, 
       stats=Stats.zeros(batch, engine.gamma),
       history=processors.init_history(sampling.pcfg, sampling.procs, tokens, prompt_len,
                                       prompt_len, engine.target.vocab_size)
-      if sampling.has_processors else None)
+      if sampling.has_processors else None,
+      **(dict(draft_len=engine.policy.first(batch, engine.gamma),
+              draft_steps=jnp.zeros((), jnp.int32)) if engine.policy.adaptive else {}))
 
 
 def run_loop(engine: Engine, weights: Weights, state: DecodeState, sampling: Sampling):

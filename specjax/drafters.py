@@ -80,8 +80,9 @@ class ModelDrafter:
     return kv.rollback(n - 1)
 
   def _draw(self, key, logits, sampling, history):
-    logits = sampling.adjust(logits, history)  # penalties etc. for this prefix
+    return self._pick(key, sampling.adjust(logits, history), sampling)  # this prefix's
 
+  def _pick(self, key, logits, sampling):
     def argmax():
       y = jnp.argmax(logits, axis=-1).astype(jnp.int32)
       return y, jax.nn.one_hot(y, logits.shape[-1], dtype=jnp.float32)
@@ -127,6 +128,40 @@ class ModelDrafter:
     ys = jnp.concatenate([ys, y_last[None]], axis=0).swapaxes(0, 1)  # [B, γ]
     qs = jnp.concatenate([qs, q_last[None]], axis=0).swapaxes(0, 1)  # [B, γ, V]
     return ys, qs, kv
+
+  def propose_until(self, params, kv, tokens, n, key, sampling, limit, confidence):
+    """`propose` for adaptive draft lengths (`specjax.policies`): row b drafts at most
+    limit[b] tokens, stopping after one whose top probability is below `confidence`;
+    the loop ends when every row has stopped. Returns (ys, qs, kv, lengths, steps); the
+    draws at positions < lengths are those `propose` makes with the same key."""
+    logits, kv = self._catch_up(params, kv, tokens, n)
+    b, vocab = logits.shape
+    keys = jax.random.split(key, self.gamma)
+
+    def body(carry):
+      i, logits, kv, history, ys, qs, lengths, active = carry
+      adjusted = sampling.adjust(logits, history)
+      y, q = self._pick(keys[i], adjusted, sampling)
+      top = jnp.max(jax.nn.softmax(adjusted.astype(jnp.float32), axis=-1), axis=-1)
+      ys, qs = ys.at[:, i].set(y), qs.at[:, i].set(q)
+      lengths = lengths + active
+      active = active & (i + 1 < limit) & (top >= confidence)
+
+      def feed():
+        out, new_kv = model_lib.forward_cached(self.graphdef, params, y[:, None], kv)
+        return out[:, 0], new_kv
+
+      # The last token drafted needs no forward (as in `propose`), nor does a stopped batch.
+      logits, kv = jax.lax.cond((i + 1 < self.gamma) & jnp.any(active), feed,
+                                lambda: (logits, kv))
+      return i + 1, logits, kv, sampling.advance(history, y), ys, qs, lengths, active
+
+    init = (jnp.zeros((), jnp.int32), logits, kv, sampling.history,
+            jnp.zeros((b, self.gamma), jnp.int32), jnp.zeros((b, self.gamma, vocab), jnp.float32),
+            jnp.zeros((b,), jnp.int32), limit > 0)
+    steps, _, kv, _, ys, qs, lengths, _ = jax.lax.while_loop(
+        lambda c: (c[0] < self.gamma) & jnp.any(c[-1]), body, init)
+    return ys, qs, kv, lengths, steps
 
   def rollback(self, kv, n, features=None, start=None):
     # Valid KV = the committed history (all but the pending token) ∩ what it computed.

@@ -17,6 +17,7 @@ from specjax import processors
 from specjax import trees
 from specjax import drafters as drafters_lib
 from specjax import heads as heads_lib
+from specjax import policies
 from specjax import rules as rules_lib
 from specjax.model import Model
 from specjax.sampling import Sampling
@@ -113,7 +114,8 @@ def make_drafter(target: Model, draft: Model | None, drafter: str | None, gamma:
       raise ValueError(f"drafter={drafter!r} needs draft=<a {drafter} head> (e.g. "
                        f"load_pretrained('stdlib-{drafter}')), got {got}")
     if tree is not None:
-      raise ValueError(f"tree= needs drafter='model'; the {drafter} head proposes chains only")
+      raise ValueError(f"tree= needs drafter='model' or 'ngram'; the {drafter} head proposes "
+                       "chains only")
     if draft_sample not in DRAFT_SAMPLE_MODES:
       raise ValueError(f"draft_sample must be one of {DRAFT_SAMPLE_MODES}, "
                        f"got {draft_sample!r}")
@@ -148,14 +150,41 @@ def make_drafter(target: Model, draft: Model | None, drafter: str | None, gamma:
   return drafters_lib.ModelDrafter(config=draft.config, gamma=gamma, sample_mode=draft_sample)
 
 
+def make_policy(kind, confidence, draft_cost, drafter) -> policies.GammaPolicy:
+  """`gamma_policy=` and its settings as a `policies.GammaPolicy`; ValueError if unfit."""
+  if kind not in policies.POLICIES:
+    raise ValueError(f"gamma_policy must be one of {policies.POLICIES}, got {kind!r}")
+  if kind != "fixed" and drafter.gamma == 0:
+    raise ValueError(f"gamma_policy={kind!r} needs a drafter (draft=... or drafter='ngram')")
+  if kind != "fixed" and getattr(drafter, "tree", None) is not None:
+    raise ValueError(f"gamma_policy={kind!r} drafts chains; a tree has a fixed shape")
+  if kind == "confidence" and not hasattr(drafter, "propose_until"):
+    raise ValueError("gamma_policy='confidence' needs a drafter that drafts token by token "
+                     "(a draft model or an EAGLE head); this one proposes all γ at once")
+  if confidence is not None and kind != "confidence":
+    raise ValueError(f"draft_confidence is for gamma_policy='confidence', got {kind!r}")
+  if draft_cost is not None and kind != "ledger":
+    raise ValueError(f"draft_cost is for gamma_policy='ledger', got {kind!r}")
+  for name, value in (("draft_confidence", confidence), ("draft_cost", draft_cost)):
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+      raise ValueError(f"{name} must be a number, got {value!r}")
+  return policies.GammaPolicy(
+      kind=kind, confidence=float(0.4 if confidence is None and kind == "confidence"
+                                  else confidence or 0.0),
+      draft_cost=float(draft_cost or 0.0))
+
+
 COUNTERS = ("rows", "rounds", "target_calls", "drafted", "accepted", "committed",
-            "overlap_sum", "overlap_count", "accepted_at", "committed_hist")
+            "overlap_sum", "overlap_count", "accepted_at", "verified_at", "committed_hist",
+            "draft_steps")
 
 
 def with_rates(counts: dict[str, Any]) -> dict[str, Any]:
   """The counters plus every rate derived from them (also used to pool several runs)."""
   rounds, drafted, committed = counts["rounds"], counts["drafted"], counts["committed"]
   accepted_at = counts["accepted_at"]
+  # Rows written before verified_at existed drafted fixed chains: reached i = accepted i-1.
+  verified_at = counts.get("verified_at") or [rounds] + list(accepted_at[:-1])
   nan = float("nan")
   return dict(
       counts,
@@ -165,8 +194,7 @@ def with_rates(counts: dict[str, Any]) -> dict[str, Any]:
       # Per sequence: every round is one target call for each live row.
       tokens_per_target_call=committed / rounds if rounds else nan,
       # P(position i accepted | the round reached it)
-      acceptance_by_position=[a / r if r else nan for a, r in
-                              zip(accepted_at, [rounds] + list(accepted_at[:-1]))],
+      acceptance_by_position=[a / r if r else nan for a, r in zip(accepted_at, verified_at)],
   )
 
 
@@ -177,6 +205,10 @@ def summarize_stats(state: decode_lib.DecodeState, gamma: int) -> dict[str, Any]
   counts.update(rows=int(s.rounds.shape[0]), target_calls=int(state.target_calls),
                 overlap_sum=float(np.sum(s.overlap_sum)),
                 accepted_at=[int(x) for x in np.sum(s.accepted_at, axis=0)],
+                verified_at=[int(x) for x in np.sum(s.verified_at, axis=0)],
+                # Draft steps run (an adaptive loop may stop early); fixed: γ per round.
+                draft_steps=int(state.draft_steps) if state.draft_steps is not None
+                else gamma * int(state.target_calls),
                 committed_hist=[int(x) for x in np.sum(s.committed_hist, axis=0)])
   return dict(gamma=gamma, **with_rates(counts))
 
@@ -215,7 +247,8 @@ def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p
             draft_sample="probabilistic", tree=None,
             ngram_min=1, ngram_max=4, repetition_penalty=1.0, presence_penalty=0.0,
             frequency_penalty=0.0, no_repeat_ngram_size=0, min_new_tokens=0, logit_bias=None,
-            constraint=None, verify_rule="exact", rule_params=None) -> Prepared:
+            constraint=None, verify_rule="exact", rule_params=None, gamma_policy="fixed",
+            draft_confidence=None, draft_cost=None) -> Prepared:
   """Validates everything and returns the engine's static and traced arguments."""
   prompts = check_prompts(prompts, target)
   batch = len(prompts)
@@ -248,6 +281,7 @@ def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p
   drafter_obj = make_drafter(target, draft, drafter, gamma, draft_sample, ngram_min, ngram_max,
                              tree)
   rule = rules_lib.make_rule(verify_rule, rule_params, drafter_obj.gamma)
+  policy = make_policy(gamma_policy, draft_confidence, draft_cost, drafter_obj)
   if tree is not None and verify_rule != "exact":
     raise ValueError(f"tree= works with the exact rule only, got verify_rule={verify_rule!r}")
   if isinstance(drafter_obj, drafters_lib.ModelDrafter):
@@ -270,8 +304,14 @@ def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p
     draft_params = draft.draft_params(target, check=False)  # checked in make_drafter
   else:
     draft_params = draft.params if isinstance(drafter_obj, drafters_lib.ModelDrafter) else None
+  if policy.kind == "ledger" and draft_cost is None:  # measure c / v once, here
+    from specjax import costs
+    sc = costs.step_costs(target, drafter_obj, draft_params, batch, longest,
+                          temperature=float(np.max(temperature)), repeats=2)
+    policy = dataclasses.replace(policy, draft_cost=sc["c"] / sc["v"])
   return Prepared(
-      engine=decode_lib.Engine(target=target.config, drafter=drafter_obj, rule=rule),
+      engine=decode_lib.Engine(target=target.config, drafter=drafter_obj, rule=rule,
+                               policy=policy),
       weights=decode_lib.Weights(target=target.params, draft=draft_params),
       prompt_width=prompt_width, cache_size=cache_size, tokens=jnp.asarray(tokens),
       prompt_len=jnp.asarray([len(p) for p in prompts], jnp.int32), sampling=sampling)
@@ -285,7 +325,9 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
              ngram_max: int = 4, verify_rule: str = "exact",
              rule_params: dict | None = None, repetition_penalty=1.0, presence_penalty=0.0,
              frequency_penalty=0.0, no_repeat_ngram_size=0, min_new_tokens=0,
-             logit_bias=None, constraint=None, mesh=None) -> GenerateResult:
+             logit_bias=None, constraint=None, gamma_policy: str = "fixed",
+             draft_confidence: float | None = None, draft_cost: float | None = None,
+             mesh=None) -> GenerateResult:
   """Generates up to `max_new_tokens` new tokens for each prompt.
 
   With no `draft` and `drafter=None` this is plain autoregressive decoding. With a draft
@@ -333,6 +375,11 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
       text is complete with nothing to follow stops.
     The processors act on the raw logits, per candidate prefix, for target and draft
     alike, before temperature / top-k / top-p; speculation stays lossless with them.
+    gamma_policy: how many of its γ tokens each row drafts per round (`specjax.policies`;
+      all lossless): 'fixed' (γ), 'heuristic' (+2 after a fully accepted round, -1
+      otherwise), 'confidence' (stop after a draft token whose top probability is below
+      `draft_confidence`, default 0.4), 'ledger' (the length maximising E(α̂, L) /
+      (L·c + v) for the row's running α̂; `draft_cost` = c / v, measured if None).
     mesh: a jax Mesh with axes ('data', 'model') (`jax.make_mesh((dp, tp), ('data',
       'model'))`) to run on several devices (`specjax.sharding`): the target split over
       'model' (pass `specjax.shard(target, mesh)` to place it once, not every call), the
@@ -349,7 +396,9 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
                  ngram_max=ngram_max, verify_rule=verify_rule, rule_params=rule_params,
                  repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                  frequency_penalty=frequency_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
-                 min_new_tokens=min_new_tokens, logit_bias=logit_bias, constraint=constraint)
+                 min_new_tokens=min_new_tokens, logit_bias=logit_bias, constraint=constraint,
+                 gamma_policy=gamma_policy, draft_confidence=draft_confidence,
+                 draft_cost=draft_cost)
   if mesh is not None:
     from specjax import sharding
     args = sharding.distribute(args, mesh)  # its run() returns the caller's rows, on the host
@@ -359,5 +408,6 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
   texts = None
   if target.tokenizer is not None:
     texts = [target.tokenizer.decode(t) for t in new]
-  stats = dict(summarize_stats(state, args.engine.gamma), lossless=args.engine.rule.lossless)
+  stats = dict(summarize_stats(state, args.engine.gamma), lossless=args.engine.rule.lossless,
+               gamma_policy=args.engine.policy.kind)
   return GenerateResult(tokens=new, stats=stats, texts=texts)

@@ -127,16 +127,20 @@ class EagleDrafter:
     feats = jnp.where((idx < p)[..., None], feats, 0.0)
     return EagleState(kv=kv.rollback(start), feats=feats)
 
-  def propose(self, params, state, tokens, n, key, sampling):
+  def _first(self, params, state, tokens, n):
+    """Feeds the true-feature slots: (predicted f_{n-1} [B, 1, d], its logits, kv)."""
     kv, c = state.kv, self.gamma + 1
     start = kv.length
     pos = start[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]
     next_tokens = jnp.take_along_axis(tokens, pos + 1, axis=1, mode="clip")
     x, logits, kv = heads_lib.eagle_apply(self.config, params, state.feats, next_tokens, kv)
     last = jnp.clip(n - 2 - start, 0, c - 1)[:, None, None]
-    x = jnp.take_along_axis(x, last, axis=1)  # [B, 1, d]: predicted f_{n-1}
+    x = jnp.take_along_axis(x, last, axis=1)
     logits = jnp.take_along_axis(logits, last, axis=1)[:, 0]
-    kv = kv.rollback(jnp.maximum(n - 1, 0))  # true slots 0..n-2
+    return x, logits, kv.rollback(jnp.maximum(n - 1, 0))  # true slots 0..n-2
+
+  def propose(self, params, state, tokens, n, key, sampling):
+    x, logits, kv = self._first(params, state, tokens, n)
 
     def step(carry, step_key):
       x, logits, kv, history = carry
@@ -152,6 +156,38 @@ class EagleDrafter:
     ys = jnp.concatenate([ys, y_last[None]], axis=0).swapaxes(0, 1)  # [B, γ]
     qs = jnp.concatenate([qs, q_last[None]], axis=0).swapaxes(0, 1)  # [B, γ, V]
     return ys, qs, state.replace(kv=kv)
+
+  def propose_until(self, params, state, tokens, n, key, sampling, limit, confidence):
+    """`propose` with adaptive lengths (see `ModelDrafter.propose_until`)."""
+    x, logits, kv = self._first(params, state, tokens, n)
+    b, vocab = logits.shape
+    keys = jax.random.split(key, self.gamma)
+
+    def body(carry):
+      i, x, logits, kv, history, ys, qs, lengths, active = carry
+      y, q = draw(self.sample_mode, keys[i], logits, sampling, history)
+      adjusted = _adjust(sampling, logits, history)
+      top = jnp.max(jax.nn.softmax(adjusted.astype(jnp.float32), axis=-1), axis=-1)
+      ys, qs = ys.at[:, i].set(y), qs.at[:, i].set(q)
+      lengths = lengths + active
+      active = active & (i + 1 < limit) & (top >= confidence)
+
+      def feed():
+        new_x, new_logits, new_kv = heads_lib.eagle_apply(self.config, params, x, y[:, None],
+                                                          kv)
+        return new_x, new_logits[:, 0], new_kv
+
+      x, logits, kv = jax.lax.cond((i + 1 < self.gamma) & jnp.any(active), feed,
+                                   lambda: (x, logits, kv))
+      return i + 1, x, logits, kv, _advance(sampling, history, y), ys, qs, lengths, active
+
+    history = getattr(sampling, "history", None)
+    init = (jnp.zeros((), jnp.int32), x, logits, kv, history,
+            jnp.zeros((b, self.gamma), jnp.int32), jnp.zeros((b, self.gamma, vocab), jnp.float32),
+            jnp.zeros((b,), jnp.int32), limit > 0)
+    steps, _, _, kv, _, ys, qs, lengths, _ = jax.lax.while_loop(
+        lambda c: (c[0] < self.gamma) & jnp.any(c[-1]), body, init)
+    return ys, qs, state.replace(kv=kv), lengths, steps
 
   def rollback(self, state, n, features, start):
     pos = start[:, None] + jnp.arange(features.shape[1], dtype=jnp.int32)[None, :]

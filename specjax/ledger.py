@@ -39,17 +39,21 @@ def optimal_gamma(alpha, c, v: float | Callable[[int], float] = 1.0, max_gamma: 
   return int(gammas[best]), float(speedups[best])
 
 
-def alpha_from_positions(accepted_at: Sequence[int], rounds: int) -> float:
+def alpha_from_positions(accepted_at: Sequence[int], rounds: int,
+                         verified_at: Sequence[int] | None = None) -> float:
   """Per-position α from how often position i was accepted.
 
   Position i+1 is only reached when position i was accepted, so the conditional rates
   accepted_at[i+1] / accepted_at[i] all estimate α; pooling them is the maximum
   likelihood estimate for a geometric run: Σ accepted_at / (rounds + Σ accepted_at[:-1]).
+  With adaptive draft lengths a row may stop drafting before position i: pass
+  verified_at (times position i was drafted and checked), and the denominator is its sum.
   """
   accepted_at = np.asarray(accepted_at, np.float64)
   if rounds <= 0 or accepted_at.size == 0:
     return float("nan")
-  reached = rounds + accepted_at[:-1].sum()
+  reached = (rounds + accepted_at[:-1].sum() if verified_at is None
+             else float(np.sum(verified_at)))
   return float(accepted_at.sum() / reached)
 
 

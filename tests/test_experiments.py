@@ -55,6 +55,21 @@ def test_smoke_counts_agree(smoke):
     assert r["v"] > 0 and r["c"] >= 0
 
 
+def test_policy_and_rule_axes(tmp_path):
+  cfg = sweep_config.get_config("smoke")
+  cfg.drafter, cfg.trees, cfg.temperature, cfg.gamma = ("ngram",), (), (1.0,), (3,)
+  cfg.gamma_policy, cfg.verify_rule = ("fixed", "ledger"), ("exact", "typical")
+  rows = run_lib.run_sweep(cfg, tmp_path, progress=False)
+  assert len(rows) == 4
+  for r in rows:
+    assert r["lossless"] == (r["verify_rule"] == "exact")
+    if r["gamma_policy"] == "fixed":
+      assert r["drafted"] == 3 * r["rounds"]
+    assert 0 < r["drafted"] <= 3 * r["rounds"] and r["draft_steps"] > 0
+  summary = (tmp_path / "summary.md").read_text()
+  assert "γ policy ledger" in summary and "rule typical" in summary
+
+
 def test_rerun_skips_done_points(smoke):
   cfg, workdir, rows = smoke
   again = run_lib.run_sweep(cfg, workdir, progress=False)  # nothing left: no model loads
@@ -73,6 +88,8 @@ def test_rerun_skips_done_points(smoke):
     ("repetition_penalty", (0.0,), "config.repetition_penalty"),
     ("no_repeat_ngram_size", (-1,), "config.no_repeat_ngram_size"),
     ("eagle_head", "", "config.eagle_head"),
+    ("gamma_policy", ("adaptive",), "config.gamma_policy"),
+    ("verify_rule", ("synthetic",), "config.verify_rule"),
 ])
 def test_bad_config_fails_at_once(tmp_path, field, value, message):
   cfg = sweep_config.get_config("smoke")

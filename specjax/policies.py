@@ -1,0 +1,117 @@
+"""Adaptive draft length: how many of its γ tokens each row drafts this round.
+
+γ stays the static maximum (buffers, the verify pass's width), so one program serves
+every length. A policy only changes how many tokens are proposed; the verify rule sees
+a row's first L_b tokens, and when all L_b are accepted the next token is drawn from
+the target's p at position L_b, exactly what a chain of length L_b would do. Every
+policy is therefore as lossless as the rule it runs with.
+
+  'fixed'       L = γ (the default).
+  'heuristic'   Hugging Face assisted generation's schedule, per row: L + 2 after a
+                round in which all L were accepted, L - 1 otherwise, within [1, γ].
+  'confidence'  a row stops after the first token whose draft top probability (after
+                the processors, at temperature 1) is below `confidence`
+                (transformers' `assistant_confidence_threshold`).
+  'ledger'      each row's running α̂ (its verified Σ min(p, q), shrunk toward a prior)
+                picks L = argmax_L E(α̂, L) / (L·c + v): c and v are one draft token's
+                and the verify pass's cost. The pass keeps its static width, so a shorter
+                draft saves draft work only, and `draft_cost` = c / v is all it needs.
+
+The draft loop of the model and EAGLE drafters is a `while_loop` that ends when every
+row has stopped, so a short or unconfident batch really does less draft work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+POLICIES = ("fixed", "heuristic", "confidence", "ledger")
+
+
+@dataclasses.dataclass(frozen=True)
+class GammaPolicy:
+  """A static (hashable) policy; `limits` and `update` are pure and jittable."""
+  kind: str = "fixed"
+  confidence: float = 0.0  # 'confidence': stop below this draft top probability
+  draft_cost: float = 0.0  # 'ledger': c / v, one draft token relative to the verify pass
+  # 'ledger': α̂ = (Σ overlap + prior_alpha · prior_weight) / (verified + prior_weight)
+  prior_alpha: float = 0.6
+  prior_weight: float = 4.0
+
+  def __post_init__(self):
+    if self.kind not in POLICIES:
+      raise ValueError(f"gamma_policy must be one of {POLICIES}, got {self.kind!r}")
+    ok = 0.0 < self.confidence < 1.0 if self.kind == "confidence" else self.confidence == 0
+    if not ok:
+      raise ValueError(f"draft_confidence must be in (0, 1) with gamma_policy='confidence' "
+                       f"(and unset otherwise), got {self.confidence!r}")
+    if not (np.isfinite(self.draft_cost) and self.draft_cost >= 0.0):
+      raise ValueError(f"draft_cost (c / v) must be a finite number >= 0, "
+                       f"got {self.draft_cost!r}")
+    if not 0.0 < self.prior_alpha < 1.0 or not self.prior_weight > 0:
+      raise ValueError("prior_alpha must be in (0, 1) and prior_weight > 0")
+
+  @property
+  def adaptive(self) -> bool:
+    return self.kind != "fixed"
+
+  def first(self, batch: int, gamma: int) -> jax.Array:
+    """The heuristic's starting length (the others ignore it)."""
+    return jnp.full((batch,), gamma, jnp.int32)
+
+  def limits(self, draft_len, stats, gamma: int) -> jax.Array:
+    """int32[B] in [1, γ]: the most each row may draft this round."""
+    if self.kind == "heuristic":
+      return jnp.clip(draft_len, 1, gamma)
+    if self.kind == "ledger":
+      alpha = ((stats.overlap_sum + self.prior_alpha * self.prior_weight)
+               / (stats.overlap_count + self.prior_weight))
+      return ledger_length(alpha, gamma, self.draft_cost)
+    return jnp.full_like(draft_len, gamma)
+
+  def update(self, draft_len, lengths, n_accepted, gamma: int) -> jax.Array:
+    """The heuristic's next length; unchanged for the other policies."""
+    if self.kind != "heuristic":
+      return draft_len
+    all_in = n_accepted >= lengths
+    return jnp.clip(jnp.where(all_in, lengths + 2, lengths - 1), 1, gamma).astype(jnp.int32)
+
+
+def ledger_length(alpha, gamma: int, draft_cost) -> jax.Array:
+  """argmax over L in 1..γ of E(α, L) / (L·draft_cost + 1), per row."""
+  a = jnp.clip(alpha, 0.0, 0.999)[:, None]
+  lengths = jnp.arange(1, gamma + 1, dtype=jnp.float32)[None, :]
+  expected = (1.0 - a ** (lengths + 1)) / (1.0 - a)  # accepted + the correction/bonus
+  return (jnp.argmax(expected / (lengths * draft_cost + 1.0), axis=1) + 1).astype(jnp.int32)
+
+
+def propose_upto(drafter, params, state, tokens, n, key, sampling, limit, confidence):
+  """(ys [B, γ], qs, state, lengths int32[B], steps): the drafter's proposal, each row cut
+  to its limit (and, with a confidence threshold, at its first unconfident token).
+
+  Drafters that draft token by token (`propose_until`) stop their loop once every row
+  has stopped; steps counts the draft steps the loop ran. The others propose γ tokens
+  at once and are cut afterwards.
+  """
+  if hasattr(drafter, "propose_until"):
+    return drafter.propose_until(params, state, tokens, n, key, sampling, limit, confidence)
+  ys, qs, state = drafter.propose(params, state, tokens, n, key, sampling)
+  return ys, qs, state, limit, jnp.asarray(drafter.gamma, jnp.int32)
+
+
+def cut(n_accepted, next_token, ps, lengths, key):
+  """The rule's outcome for chains of `lengths` tokens instead of γ.
+
+  Every rule decides position i from position i's inputs alone, so a row whose first
+  L tokens were all accepted would have drawn its bonus from p_{L+1} (index L) with a
+  chain of L: that draw replaces the rule's next token; otherwise nothing changes.
+  """
+  from specjax.sampling import sample
+  full = n_accepted >= lengths
+  p_next = jnp.take_along_axis(ps, lengths[:, None, None], axis=1)[:, 0]
+  bonus = sample(key, p_next)
+  return jnp.minimum(n_accepted, lengths), jnp.where(full, bonus, next_token)
