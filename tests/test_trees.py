@@ -162,10 +162,10 @@ class T0ChildrenTest(parameterized.TestCase):
       prep = generation.prepare(target, PROMPTS, max_new_tokens=4, temperature=[0.0, 0.0, 0.0],
                                 top_k=0, top_p=1.0, eos_id=None, draft=draft, tree=(3, 2),
                                 draft_sample=mode)
-      state = prep.prefill(jax.random.PRNGKey(0))
-      ys, _, _ = prep.engine.drafter.propose(prep.weights.draft, state.draft_state,
-                                             state.tokens, state.n, jax.random.PRNGKey(1),
-                                             prep.sampling)
+      state = jax.jit(prep.prefill)(jax.random.PRNGKey(0))
+      ys, _, _ = jax.jit(prep.engine.drafter.propose)(
+          prep.weights.draft, state.draft_state, state.tokens, state.n, jax.random.PRNGKey(1),
+          prep.sampling)
       out[mode] = np.asarray(ys)
     np.testing.assert_array_equal(out["probabilistic"], out["greedy"])
     for row in out["probabilistic"]:
