@@ -4,7 +4,7 @@
   python -m experiments.run --config=configs/sweep.py:smoke --workdir=/tmp/smoke
   python -m experiments.run --config=configs/sweep.py --config.gamma=4 --config.temperature='(0.0,1.0)'
 
-Variants: '' (default: a few minutes on a 2-core CPU with the shipped pair), 'smoke'
+Variants: '' (default: 18 points on the shipped pair, each timed against target-only), 'smoke'
 (seconds; the test suite runs it), 'full' (a larger grid for a GPU/TPU runtime),
 'gpt2' (a public pair from local Hugging Face directories or the hub; see docs/HF.md),
 'llama3', 'qwen3', 'qwen25' (larger public pairs by hub id, for a GPU/TPU runtime; see
@@ -64,7 +64,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   variant = (arg or "").strip()
   if variant == "smoke":
     c.gamma = (2,)
-    c.temperature = (0.0, 1.0)
+    c.temperature = (1.0,)
     c.num_prompts = 2
     c.prompt_tokens = 16
     c.max_new_tokens = 8

@@ -34,9 +34,7 @@ _OUT = flags.DEFINE_string("out", None, "Write the results as JSON here.")
 _PEER = flags.DEFINE_enum("peer", None, ["transformers"], "Also time a peer library.")
 
 
-# Every history-dependent processor but the automaton, for their share of a round.
-PROCESSORS = dict(repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty=0.1,
-                  no_repeat_ngram_size=3, min_new_tokens=4, logit_bias={0: -1.0})
+PROCESSORS = common.PROCESSORS
 
 
 def bench_point(target, draft, prompts, gamma, batch, temperature, max_new, pairs):

@@ -14,6 +14,11 @@ from specjax import generation
 from specjax.pretrained import load_pretrained
 
 
+# Every history-dependent processor but the automaton, for their share of a round.
+PROCESSORS = dict(repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty=0.1,
+                  no_repeat_ngram_size=3, min_new_tokens=4, logit_bias={0: -1.0})
+
+
 def load_pair(target_name: str, draft_name: str | None, dtype=jnp.float32):
   target = load_pretrained(target_name, dtype=dtype)
   draft = load_pretrained(draft_name, dtype=dtype) if draft_name else None

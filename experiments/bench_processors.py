@@ -1,0 +1,67 @@
+r"""The history-dependent processors' share of a speculative round, paired.
+
+  python -m experiments.bench_processors --out=docs/results/processors.json
+
+A round with every processor but the automaton on (common.PROCESSORS) against the same
+round with them off, 16 rounds per fused loop, timed alternately (costs.paired):
+share = 1 - (round without) / (round with). Issue #10's goal: <= 10%.
+"""
+
+from __future__ import annotations
+
+import json
+
+from absl import app
+from absl import flags
+import jax
+
+from experiments import common
+from specjax import costs
+from specjax import decode as decode_lib
+from specjax.generation import prepare
+
+_GAMMA = flags.DEFINE_integer("gamma", 4, "Draft length γ.")
+_BATCH = flags.DEFINE_list("batch", ["1", "8"], "Batch sizes.")
+_TEMPERATURE = flags.DEFINE_list("temperature", ["0", "1"], "Temperatures.")
+_PAIRS = flags.DEFINE_integer("pairs", 7, "Timing pairs (median ratio kept).")
+_OUT = flags.DEFINE_string("out", None, "Write the results as JSON here.")
+ROUNDS = 16
+
+
+def round_loop(prepared):
+  """A blocking callable that runs ROUNDS rounds from the same prefilled state."""
+  state = prepared.prefill(jax.random.PRNGKey(0))
+  loop = jax.jit(lambda s: jax.lax.fori_loop(0, ROUNDS, lambda _, x: decode_lib.decode_round(
+      prepared.engine, prepared.weights, x, prepared.sampling), s))
+  return lambda: jax.block_until_ready(loop(state))
+
+
+def main(argv):
+  del argv
+  target, draft = common.load_pair("stdlib-target", "stdlib-draft")
+  prompts = common.heldout_prompts(target.tokenizer, "stdlib", 8, 64)
+  rows = []
+  for batch in map(int, _BATCH.value):
+    for temperature in map(float, _TEMPERATURE.value):
+      kw = dict(max_new_tokens=ROUNDS * (_GAMMA.value + 1), temperature=temperature, top_k=0,
+                top_p=1.0, eos_id=None, draft=draft, gamma=_GAMMA.value)
+      on = round_loop(prepare(target, prompts[:batch], **kw, **common.PROCESSORS))
+      off = round_loop(prepare(target, prompts[:batch], **kw))
+      t = costs.paired(on, off, pairs=_PAIRS.value)  # ratio = off / on
+      row = dict(batch=batch, temperature=temperature, gamma=_GAMMA.value,
+                 round_ms=min(t["baseline_s"]) / ROUNDS * 1e3,
+                 round_with_processors_ms=min(t["method_s"]) / ROUNDS * 1e3,
+                 share=1 - t["ratio"], share_min=1 - t["ratio_max"],
+                 share_max=1 - t["ratio_min"], machine=costs.machine_info())
+      rows.append(row)
+      print(f"batch {batch}, T={temperature:g}: round {row['round_ms']:.2f} ms, with processors "
+            f"{row['round_with_processors_ms']:.2f} ms: processors {100 * row['share']:.0f}% "
+            f"({100 * row['share_min']:.0f}–{100 * row['share_max']:.0f}%) of the round",
+            flush=True)
+  if _OUT.value:
+    with open(_OUT.value, "w") as f:
+      json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+  app.run(main)
