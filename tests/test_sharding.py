@@ -148,8 +148,8 @@ def worker_process(pid: int, port: int):
 
 def _env(devices: int):
   env = dict(os.environ)
-  env["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={devices} "
-                      "--xla_backend_optimization_level=0")
+  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                      f" --xla_force_host_platform_device_count={devices}").strip()
   env["PYTHONPATH"] = os.pathsep.join([HERE, os.path.dirname(HERE), env.get("PYTHONPATH", "")])
   return env
 
