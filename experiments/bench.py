@@ -34,8 +34,6 @@ _OUT = flags.DEFINE_string("out", None, "Write the results as JSON here.")
 _PEER = flags.DEFINE_enum("peer", None, ["transformers"], "Also time a peer library.")
 
 
-PROCESSORS = common.PROCESSORS
-
 
 def bench_point(target, draft, prompts, gamma, batch, temperature, max_new, pairs):
   kw = dict(max_new_tokens=max_new, temperature=temperature, seed=0)
@@ -56,7 +54,7 @@ def bench_point(target, draft, prompts, gamma, batch, temperature, max_new, pair
   base_round_s = costs.round_cost(prepare(target, prompts[:batch], **sampling), rounds=rounds)
   # The history-dependent processors' share of a speculative round (issue goal: <= 10%).
   proc_round_s = costs.round_cost(prepare(target, prompts[:batch], draft=draft, gamma=gamma,
-                                          **sampling, **PROCESSORS), rounds=rounds)
+                                          **sampling, **common.PROCESSORS), rounds=rounds)
   alpha = stats["alpha_hat"]
   predicted = float(ledger.predicted_speedup(alpha, gamma, sc["c"], sc["v"]))
   rest = round_s - sc["propose_s"] - sc["verify_s"]

@@ -50,7 +50,11 @@ def draw(sample_mode: str, key, logits, sampling, history=None):
 
   Like `ModelDrafter._draw`: processors see `history` (committed prefix + earlier drafts).
   """
-  logits = _adjust(sampling, logits, history)
+  return _pick(sample_mode, key, _adjust(sampling, logits, history), sampling)
+
+
+def _pick(sample_mode: str, key, logits, sampling):
+  """`draw` on logits the history-dependent processors have already adjusted."""
 
   def argmax():
     y = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -165,8 +169,8 @@ class EagleDrafter:
 
     def body(carry):
       i, x, logits, kv, history, ys, qs, lengths, active = carry
-      y, q = draw(self.sample_mode, keys[i], logits, sampling, history)
       adjusted = _adjust(sampling, logits, history)
+      y, q = _pick(self.sample_mode, keys[i], adjusted, sampling)
       top = jnp.max(jax.nn.softmax(adjusted.astype(jnp.float32), axis=-1), axis=-1)
       ys, qs = ys.at[:, i].set(y), qs.at[:, i].set(q)
       lengths = lengths + active
