@@ -99,7 +99,7 @@ def merge_stats(stats: list[dict]) -> dict:
 
 
 def step_costs(target, draft, drafter: str, gamma: int, batch: int, context: int,
-               ngram=(1, 4), draft_sample="probabilistic", repeats: int = 3,
+               ngram=(1, 4), draft_sample="probabilistic", repeats: int = 5,
                temperature: float = 1.0, tree=None):
   """`costs.step_costs` for a drafter named as in `specjax.generate`.
 

@@ -44,6 +44,7 @@ from absl import flags  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from specjax import costs  # noqa: E402
 from specjax import kv_cache  # noqa: E402
 from specjax import model as model_lib  # noqa: E402
 from specjax import sampling  # noqa: E402
@@ -100,17 +101,8 @@ def timed_loop(body, carry, iters):
 
 
 def forward_timer(model, batch, t, context, cache_size, iters):
-  """The loop of `costs.forward_cost`, kept compiled so it can be timed again and again."""
-  graphdef = model.graphdef
-  kv = kv_cache.init_kv(model.config, batch, cache_size)
-  kv = kv.rollback(jnp.full((batch,), context, jnp.int32))
-
-  def body(carry):
-    kv, tokens = carry
-    logits, new_kv = model_lib.forward_cached(graphdef, model.params, tokens, kv)
-    # Feeding back the argmax keeps each call dependent on the previous one.
-    return new_kv.rollback(kv.length), jnp.argmax(logits, -1).astype(jnp.int32)
-  return timed_loop(body, (kv, jnp.zeros((batch, t), jnp.int32)), iters)
+  """`costs.forward_timer`: the engine's program (weights passed in, not baked in)."""
+  return costs.forward_timer(model, batch, t, context, cache_size, iters)
 
 
 def piece_timers(model, batch, t, context, cache_size, iters):
@@ -304,7 +296,7 @@ def main(argv):
     traced = {}
     for t in ts:
       timer = forward_timer(model, batch, t, context, cache, iters)
-      hlo = timer.loop.lower(timer.carry).compile().as_text()
+      hlo = timer.loop.lower(*timer.args).compile().as_text()
       traced[t] = timer, classify_thunks(hlo, cfg, cache)
     rounds = {t: [] for t in ts}
     for i in range(pairs + 1):

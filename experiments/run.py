@@ -240,6 +240,7 @@ def make_row(point, timing, sc, machine) -> dict:
       speedup=timing["speedup"], speedup_min=timing["speedup_min"],
       speedup_max=timing["speedup_max"], timing_pairs=timing["pairs"],
       c=sc["c"], v=sc["v"], target_step_ms=sc["target_step_s"] * 1e3,
+      **{k: sc[k] for k in ("c_min", "c_max", "v_min", "v_max")},
       draft_propose_ms=sc["propose_s"] * 1e3,
       predicted_speedup=predicted, machine=machine,
   )

@@ -1,8 +1,9 @@
 """Measurement: the c and v(γ) of the ledger, and paired timing of two methods.
 
 Step costs run many calls inside one jitted `lax.fori_loop` (as the decode loop does),
-rolling the cache back after each call so the context length stays fixed, and report
-the best of a few repeats in seconds per call.
+rolling the cache back after each call so the context length stays fixed. c and v(γ)
+are ratios of such loops timed in turn, round after round (the 1-token step right
+before the pass it divides), and reported as the median of the per-round ratios.
 
 Speedups are never a ratio of two separate passes: `paired` times a method and its
 baseline alternately (A B A B ...) and reports the median of the per-pair ratios with
@@ -24,17 +25,6 @@ from specjax import decode as decode_lib
 from specjax import kv_cache
 from specjax import model as model_lib
 from specjax.sampling import Sampling
-
-
-def best_time(fn, *args, repeats: int = 5) -> float:
-  """Minimum wall time of fn(*args) over `repeats` runs, after one compile run."""
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return min(times)
 
 
 def paired(method: Callable[[], object], baseline: Callable[[], object], pairs: int = 3,
@@ -88,9 +78,26 @@ def forward_flops(config, tokens: int, context: int) -> float:
   return 2.0 * per_token * tokens
 
 
-def forward_cost(model, batch: int, tokens_per_call: int, context: int = 128,
-                 cache_size: int | None = None, iters: int = 64, repeats: int = 5) -> float:
-  """Seconds per cached forward of `tokens_per_call` new tokens per row at `context`."""
+def loop_timer(loop, *args, calls: int = 1) -> Callable[[], float]:
+  """Compiles and warms loop(*args); returns () -> seconds per call of one timed run.
+
+  `calls` is how many calls one run of the loop makes. The returned function carries
+  `.loop` and `.args` (to lower or profile the same program).
+  """
+  jax.block_until_ready(loop(*args))
+
+  def run() -> float:
+    start = time.perf_counter()
+    jax.block_until_ready(loop(*args))
+    return (time.perf_counter() - start) / calls
+
+  run.loop, run.args = loop, args
+  return run
+
+
+def forward_timer(model, batch: int, tokens_per_call: int, context: int = 128,
+                  cache_size: int | None = None, iters: int = 64) -> Callable[[], float]:
+  """`loop_timer` of `iters` cached forwards of `tokens_per_call` new tokens at `context`."""
   cache_size = cache_size or context + tokens_per_call + 64
   graphdef = model.graphdef
 
@@ -106,12 +113,19 @@ def forward_cost(model, batch: int, tokens_per_call: int, context: int = 128,
   kv = kv_cache.init_kv(model.config, batch, cache_size)
   kv = kv.rollback(jnp.full((batch,), context, jnp.int32))
   tokens = jnp.zeros((batch, tokens_per_call), jnp.int32)
-  return best_time(loop, model.params, kv, tokens, repeats=repeats) / iters
+  return loop_timer(loop, model.params, kv, tokens, calls=iters)
 
 
-def propose_cost(drafter, draft_params, batch: int, vocab_size: int, context: int = 128,
-                 iters: int = 16, repeats: int = 5, temperature: float = 1.0) -> float:
-  """Seconds per `drafter.propose` call (γ draft tokens per row), state rolled back each time."""
+def forward_cost(model, batch: int, tokens_per_call: int, context: int = 128,
+                 cache_size: int | None = None, iters: int = 64, repeats: int = 5) -> float:
+  """Seconds per cached forward of `tokens_per_call` new tokens per row (best of repeats)."""
+  run = forward_timer(model, batch, tokens_per_call, context, cache_size, iters)
+  return min(run() for _ in range(repeats))
+
+
+def propose_timer(drafter, draft_params, batch: int, vocab_size: int, context: int = 128,
+                  iters: int = 16, temperature: float = 1.0) -> Callable[[], float]:
+  """`loop_timer` of `iters` `drafter.propose` calls (γ tokens per row), rolled back each time."""
   tree = getattr(drafter, "tree", None)
   cache_size = context + (drafter.gamma if tree is None else tree.num_nodes) + 66
   sampling = Sampling.create(batch, temperature=temperature)
@@ -143,44 +157,78 @@ def propose_cost(drafter, draft_params, batch: int, vocab_size: int, context: in
     state = drafter.prefill(draft_params, state, tokens, n, feats)
   else:
     state = drafter.prefill(draft_params, state, tokens, n)
-  return best_time(loop, draft_params, state, jax.random.PRNGKey(1), repeats=repeats) / iters
+  return loop_timer(loop, draft_params, state, jax.random.PRNGKey(1), calls=iters)
+
+
+def propose_cost(drafter, draft_params, batch: int, vocab_size: int, context: int = 128,
+                 iters: int = 16, repeats: int = 5, temperature: float = 1.0) -> float:
+  """Seconds per `drafter.propose` call (best of repeats)."""
+  run = propose_timer(drafter, draft_params, batch, vocab_size, context, iters, temperature)
+  return min(run() for _ in range(repeats))
+
+
+def _median_range(values, name: str) -> dict:
+  return {name: statistics.median(values), f"{name}_min": min(values),
+          f"{name}_max": max(values)}
 
 
 def step_costs(target, drafter, draft_params, batch: int, context: int,
-               temperature: float = 1.0, repeats: int = 3) -> dict:
+               temperature: float = 1.0, repeats: int = 5) -> dict:
   """The ledger's costs, with the one definition of c used everywhere.
 
   c = (one `drafter.propose` call, γ tokens, sampling included) / γ / (one cached
   1-token target step); v(γ) = (one (γ+1)-token target pass) / (one 1-token step). For a
   token tree γ is its depth and the verify pass has N + 1 tokens (N nodes).
-  Both at the same context, batch and cache size.
+  Both at the same context, batch and cache size. The three loops are timed in turn,
+  `repeats` rounds; c and v are medians of the per-round ratios (with `c_min`, `c_max`,
+  `v_min`, `v_max`), so a machine that slows down for a while moves both sides alike.
   """
   gamma = drafter.gamma
   tree = getattr(drafter, "tree", None)
   width = gamma + 1 if tree is None else tree.num_nodes + 1  # tokens in the verify pass
   cache = context + width + 130
-  t1 = forward_cost(target, batch, 1, context=context, cache_size=cache, repeats=repeats)
-  tv = forward_cost(target, batch, width, context=context, cache_size=cache,
-                    repeats=repeats)
-  propose = propose_cost(drafter, draft_params, batch, target.config.vocab_size,
-                         context=context, repeats=repeats, temperature=temperature)
-  return {"target_step_s": t1, "verify_s": tv, "propose_s": propose,
-          "c": propose / gamma / t1, "v": tv / t1}
+  step = forward_timer(target, batch, 1, context=context, cache_size=cache)
+  verify = forward_timer(target, batch, width, context=context, cache_size=cache)
+  propose = propose_timer(drafter, draft_params, batch, target.config.vocab_size,
+                          context=context, temperature=temperature)
+  times = {"step": [], "verify": [], "propose": []}
+  for _ in range(max(repeats, 1)):
+    for name, run in (("step", step), ("verify", verify), ("propose", propose)):
+      times[name].append(run())
+  v = [tv / t1 for tv, t1 in zip(times["verify"], times["step"])]
+  c = [tp / gamma / t1 for tp, t1 in zip(times["propose"], times["step"])]
+  return {"target_step_s": statistics.median(times["step"]),
+          "verify_s": statistics.median(times["verify"]),
+          "propose_s": statistics.median(times["propose"]),
+          **_median_range(c, "c"), **_median_range(v, "v")}
 
 
 def verify_costs(target, batch: int, gammas, context: int = 128,
-                 cache_size: int | None = None, repeats: int = 3) -> dict:
-  """v(γ) and achieved GFLOP/s of the (γ+1)-token pass for each γ (and of the 1-token step)."""
+                 cache_size: int | None = None, repeats: int = 5) -> dict:
+  """v(γ) and achieved GFLOP/s of the (γ+1)-token pass for each γ (and of the 1-token step).
+
+  Each round times the 1-token step right before every pass; v(γ) is the median of the
+  per-round ratios, with its min and max.
+  """
   cache_size = cache_size or context + max(gammas) + 65
-  cost = lambda t: forward_cost(target, batch, t, context=context, cache_size=cache_size,
-                                repeats=repeats)
-  t1 = cost(1)
+  timer = lambda t: forward_timer(target, batch, t, context=context, cache_size=cache_size)
+  step = timer(1)
+  passes = {int(g): timer(int(g) + 1) for g in gammas}
+  t1s, tvs, ratios = [], {g: [] for g in passes}, {g: [] for g in passes}
+  for _ in range(max(repeats, 1)):
+    for g, run in passes.items():
+      t1 = step()
+      tv = run()
+      t1s.append(t1)
+      tvs[g].append(tv)
+      ratios[g].append(tv / t1)
   gflops = lambda t, s: batch * forward_flops(target.config, t, context) / s / 1e9
+  t1 = statistics.median(t1s)
   out = {"step_ms": t1 * 1e3, "step_gflops": gflops(1, t1), "by_gamma": {}}
-  for gamma in gammas:
-    tv = cost(gamma + 1)
-    out["by_gamma"][int(gamma)] = {"pass_ms": tv * 1e3, "v": tv / t1,
-                                   "gflops": gflops(gamma + 1, tv)}
+  for g in passes:
+    tv = statistics.median(tvs[g])
+    out["by_gamma"][g] = {"pass_ms": tv * 1e3, "gflops": gflops(g + 1, tv),
+                          **_median_range(ratios[g], "v")}
   return out
 
 
@@ -198,4 +246,5 @@ def round_cost(prepared, rounds: int = 16, repeats: int = 3) -> float:
                                                 prepared.sampling)
     return jax.lax.fori_loop(0, rounds, step, state)
 
-  return best_time(loop, state, repeats=repeats) / rounds
+  run = loop_timer(loop, state, calls=rounds)
+  return min(run() for _ in range(repeats))
