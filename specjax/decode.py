@@ -206,16 +206,9 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
   key, draft_key, verify_key = jax.random.split(state.key, 3)
 
   # 1. Draft (an adaptive γ policy lets each row stop early: `specjax.policies`).
-  draft_sampling = sampling.replace(history=state.history)
-  policy, lengths = engine.policy, None
-  if policy.adaptive:
-    limit = jnp.where(state.done, 0, policy.limits(state.draft_len, state.stats, drafter.gamma))
-    ys, qs, draft_state, lengths, steps = policies.propose_upto(
-        drafter, weights.draft, state.draft_state, state.tokens, state.n, draft_key,
-        draft_sampling, limit, policy.confidence)
-  else:
-    ys, qs, draft_state = drafter.propose(weights.draft, state.draft_state, state.tokens,
-                                          state.n, draft_key, draft_sampling)
+  policy = engine.policy
+  ys, qs, draft_state, lengths, steps = policy.draft(
+      drafter, weights.draft, state, draft_key, sampling.replace(history=state.history))
   # 2. Verify pass: the pending token and the γ drafts (or every tree node), one call.
   pending = jnp.take_along_axis(state.tokens, (state.n - 1)[:, None], axis=1)
   layout = {} if tree is None else trees.verify_layout(tree, state.n)
@@ -234,9 +227,7 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
   row_keys = jax.vmap(jax.random.fold_in, (None, 0))(verify_key, jnp.arange(ys.shape[0]))
   if tree is None:
     n_accepted, next_token, overlap = engine.rule(row_keys, ys, qs, ps)
-    if lengths is not None:  # as if each row had drafted a chain of its own length
-      n_accepted, next_token = policies.cut(n_accepted, next_token, ps, lengths,
-                                            jax.random.fold_in(verify_key, 2 ** 31 - 1))
+    n_accepted, next_token = policy.settle(n_accepted, next_token, ps, lengths, verify_key)
   else:  # walk down from the root; ys becomes the accepted path's tokens
     n_accepted, next_token, overlap, path = trees.walk_batch(
         row_keys, ys, qs, ps, tree, drafter.sample_mode == "greedy")
@@ -263,9 +254,6 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
   else:  # the accepted path's KV moves into contiguous slots; other branches are dropped
     target_kv = trees.compact_path(target_kv, state.n - 1, path, n_accepted)
     draft_state = drafter.rollback(draft_state, n, features, state.n - 1, path=path)
-  adaptive = {} if lengths is None else dict(
-      draft_len=policy.update(state.draft_len, lengths, n_accepted, drafter.gamma),
-      draft_steps=state.draft_steps + steps)
   return state.replace(
       history=history,
       tokens=tokens, n=n, done=state.done | stop,
@@ -273,7 +261,7 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
       draft_state=draft_state,
       key=key, target_calls=state.target_calls + 1,
       stats=update_stats(state.stats, ~state.done, n_accepted, count, overlap, lengths),
-      **adaptive)
+      **policy.carry(state, lengths, n_accepted, steps, drafter.gamma))
 
 
 def prefill(engine: Engine, weights: Weights, tokens, prompt_len, prompt_width, cache_size,
@@ -294,8 +282,7 @@ def prefill(engine: Engine, weights: Weights, tokens, prompt_len, prompt_width, 
       history=processors.init_history(sampling.pcfg, sampling.procs, tokens, prompt_len,
                                       prompt_len, engine.target.vocab_size)
       if sampling.has_processors else None,
-      **(dict(draft_len=engine.policy.first(batch, engine.gamma),
-              draft_steps=jnp.zeros((), jnp.int32)) if engine.policy.adaptive else {}))
+      **engine.policy.init_state(batch, engine.gamma))
 
 
 def run_loop(engine: Engine, weights: Weights, state: DecodeState, sampling: Sampling):

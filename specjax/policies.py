@@ -73,6 +73,39 @@ class GammaPolicy:
       return ledger_length(alpha, gamma, self.draft_cost)
     return jnp.full_like(draft_len, gamma)
 
+  # The round's three calls (`decode.decode_round` makes them for every policy; 'fixed'
+  # passes straight through, so the round has no branch of its own for policies).
+
+  def init_state(self, batch: int, gamma: int) -> dict:
+    """The DecodeState fields an adaptive policy carries between rounds ({} for 'fixed')."""
+    if not self.adaptive:
+      return {}
+    return dict(draft_len=self.first(batch, gamma), draft_steps=jnp.zeros((), jnp.int32))
+
+  def draft(self, drafter, params, state, key, sampling):
+    """(ys, qs, draft_state, lengths, steps) for DecodeState `state`: every row drafts γ
+    under 'fixed' (lengths and steps None), else up to its limit (`propose_upto`)."""
+    if not self.adaptive:
+      ys, qs, draft_state = drafter.propose(params, state.draft_state, state.tokens, state.n,
+                                            key, sampling)
+      return ys, qs, draft_state, None, None
+    limit = jnp.where(state.done, 0, self.limits(state.draft_len, state.stats, drafter.gamma))
+    return propose_upto(drafter, params, state.draft_state, state.tokens, state.n, key,
+                        sampling, limit, self.confidence)
+
+  def settle(self, n_accepted, next_token, ps, lengths, key):
+    """The rule's outcome as if each row had drafted a chain of its own length (`cut`)."""
+    if lengths is None:
+      return n_accepted, next_token
+    return cut(n_accepted, next_token, ps, lengths, jax.random.fold_in(key, 2 ** 31 - 1))
+
+  def carry(self, state, lengths, n_accepted, steps, gamma: int) -> dict:
+    """The fields of `init_state` after this round."""
+    if lengths is None:
+      return {}
+    return dict(draft_len=self.update(state.draft_len, lengths, n_accepted, gamma),
+                draft_steps=state.draft_steps + steps)
+
   def update(self, draft_len, lengths, n_accepted, gamma: int) -> jax.Array:
     """The heuristic's next length; unchanged for the other policies."""
     if self.kind != "heuristic":
