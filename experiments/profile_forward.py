@@ -32,7 +32,6 @@ import platform
 import re
 import statistics
 import tempfile
-import time
 
 # Per-thunk trace events must be switched on before XLA starts (appended, never replacing
 # what the user set).
@@ -88,16 +87,9 @@ def cpu_model() -> str:
 
 
 def timed_loop(body, carry, iters):
-  """(jitted loop, () -> seconds per iteration) for `iters` calls of body(carry) -> carry."""
+  """`costs.loop_timer` of `iters` calls of body(carry) -> carry."""
   loop = jax.jit(lambda c: jax.lax.fori_loop(0, iters, lambda _, c: body(c), c))
-  jax.block_until_ready(loop(carry))  # compile + warm
-
-  def run():
-    start = time.perf_counter()
-    jax.block_until_ready(loop(carry))
-    return (time.perf_counter() - start) / iters
-  run.loop, run.carry = loop, carry
-  return run
+  return costs.loop_timer(loop, carry, calls=iters)
 
 
 def forward_timer(model, batch, t, context, cache_size, iters):

@@ -73,8 +73,9 @@ class GammaPolicy:
       return ledger_length(alpha, gamma, self.draft_cost)
     return jnp.full_like(draft_len, gamma)
 
-  # The round's three calls (`decode.decode_round` makes them for every policy; 'fixed'
-  # passes straight through, so the round has no branch of its own for policies).
+  # The engine's four calls, made for every policy (`init_state` in `decode.prefill`;
+  # `draft`, `settle`, `carry` in `decode.decode_round`): 'fixed' passes straight
+  # through, so neither has a branch of its own for policies.
 
   def init_state(self, batch: int, gamma: int) -> dict:
     """The DecodeState fields an adaptive policy carries between rounds ({} for 'fixed')."""
