@@ -13,11 +13,9 @@ import json
 
 from absl import app
 from absl import flags
-import jax
 
 from experiments import common
 from specjax import costs
-from specjax import decode as decode_lib
 from specjax.generation import prepare
 
 _GAMMA = flags.DEFINE_integer("gamma", 4, "Draft length γ.")
@@ -26,14 +24,6 @@ _TEMPERATURE = flags.DEFINE_list("temperature", ["0", "1"], "Temperatures.")
 _PAIRS = flags.DEFINE_integer("pairs", 7, "Timing pairs (median ratio kept).")
 _OUT = flags.DEFINE_string("out", None, "Write the results as JSON here.")
 ROUNDS = 16
-
-
-def round_loop(prepared):
-  """A blocking callable that runs ROUNDS rounds from the same prefilled state."""
-  state = prepared.prefill(jax.random.PRNGKey(0))
-  loop = jax.jit(lambda s: jax.lax.fori_loop(0, ROUNDS, lambda _, x: decode_lib.decode_round(
-      prepared.engine, prepared.weights, x, prepared.sampling), s))
-  return lambda: jax.block_until_ready(loop(state))
 
 
 def main(argv):
@@ -45,8 +35,9 @@ def main(argv):
     for temperature in map(float, _TEMPERATURE.value):
       kw = dict(max_new_tokens=ROUNDS * (_GAMMA.value + 1), temperature=temperature, top_k=0,
                 top_p=1.0, eos_id=None, draft=draft, gamma=_GAMMA.value)
-      on = round_loop(prepare(target, prompts[:batch], **kw, **common.PROCESSORS))
-      off = round_loop(prepare(target, prompts[:batch], **kw))
+      on = costs.round_timer(prepare(target, prompts[:batch], **kw, **common.PROCESSORS),
+                             ROUNDS)
+      off = costs.round_timer(prepare(target, prompts[:batch], **kw), ROUNDS)
       t = costs.paired(on, off, pairs=_PAIRS.value)  # ratio = off / on
       row = dict(batch=batch, temperature=temperature, gamma=_GAMMA.value,
                  round_ms=min(t["baseline_s"]) / ROUNDS * 1e3,

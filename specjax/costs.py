@@ -232,11 +232,12 @@ def verify_costs(target, batch: int, gammas, context: int = 128,
   return out
 
 
-def round_cost(prepared, rounds: int = 16, repeats: int = 3) -> float:
-  """Seconds per decode round (draft + verify + commit) run back to back in one loop.
+def round_timer(prepared, rounds: int = 16) -> Callable[[], float]:
+  """`loop_timer` of `rounds` decode rounds (draft + verify + commit) back to back.
 
   `prepared` is `specjax.generation.prepare(...)`'s result; its max_new_tokens must
-  leave room for `rounds` rounds. Prefill and host work are excluded.
+  leave room for `rounds` rounds. Every run starts from the same prefilled state, so
+  prefill and host work are excluded.
   """
   state = prepared.prefill(jax.random.PRNGKey(0))
 
@@ -246,5 +247,10 @@ def round_cost(prepared, rounds: int = 16, repeats: int = 3) -> float:
                                                 prepared.sampling)
     return jax.lax.fori_loop(0, rounds, step, state)
 
-  run = loop_timer(loop, state, calls=rounds)
+  return loop_timer(loop, state, calls=rounds)
+
+
+def round_cost(prepared, rounds: int = 16, repeats: int = 3) -> float:
+  """Seconds per decode round (`round_timer`, best of repeats)."""
+  run = round_timer(prepared, rounds)
   return min(run() for _ in range(repeats))

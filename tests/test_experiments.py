@@ -53,8 +53,8 @@ def test_smoke_counts_agree(smoke):
     assert 1.0 <= r["tokens_per_target_call"] <= r["gamma"] + 1
     assert r["tokens_per_s"] > 0 and r["target_only_tokens_per_s"] > 0
     assert r["v"] > 0 and r["c"] >= 0
-    # c and v are medians of per-round ratios (costs.step_costs), with their spread.
-    assert r["v_min"] <= r["v"] <= r["v_max"] and r["c_min"] <= r["c"] <= r["c_max"]
+    # The spread of the per-round ratios (tests/test_costs.py) travels with each row.
+    assert r["v_min"] > 0 and r["c_min"] >= 0 and r["v_max"] >= r["v_min"]
 
 
 def test_policy_and_rule_axes(tmp_path):

@@ -1,0 +1,46 @@
+"""`costs.step_costs` / `verify_costs`: c and v are medians of per-round ratios.
+
+The timers are scripted (no compile): a machine that slows down in one round must move
+that round's step and pass alike, so the ratio is taken within a round, not between
+the best (or median) times of separately timed loops.
+"""
+
+import types
+
+from specjax import costs
+
+
+def scripted(times):
+  it = iter(times)
+  return lambda: next(it)
+
+
+def test_step_costs_are_medians_of_per_round_ratios(monkeypatch):
+  # Round 3 ran on a machine twice as slow for every loop.
+  step, verify, propose = [1.0, 2.0, 4.0], [3.0, 2.0, 4.0], [0.8, 1.6, 4.0]
+  monkeypatch.setattr(costs, "forward_timer", lambda model, batch, t, **kw: scripted(
+      step if t == 1 else verify))
+  monkeypatch.setattr(costs, "propose_timer", lambda *a, **kw: scripted(propose))
+  target = types.SimpleNamespace(config=types.SimpleNamespace(vocab_size=8))
+  drafter = types.SimpleNamespace(gamma=2)
+  sc = costs.step_costs(target, drafter, None, 1, 16, repeats=3)
+  # Per-round v = 3, 1, 1 (median 1); the ratio of best times would say 2, of medians 1.5.
+  assert sc["v"] == 1.0 and (sc["v_min"], sc["v_max"]) == (1.0, 3.0)
+  # Per-round c = 0.8/2/1, 1.6/2/2, 4/2/4 = 0.4, 0.4, 0.5.
+  assert sc["c"] == 0.4 and sc["c_max"] == 0.5
+  assert sc["target_step_s"] == 2.0 and sc["verify_s"] == 3.0
+
+
+def test_verify_costs_pair_each_pass_with_the_step_before_it(monkeypatch):
+  step = [1.0, 1.0, 3.0, 3.0]  # rounds: (γ=1, γ=2), (γ=1, γ=2); the second is slow
+  passes = {2: [1.5, 3.0], 3: [2.0, 6.0]}
+  monkeypatch.setattr(costs, "forward_timer", lambda model, batch, t, **kw: scripted(
+      step if t == 1 else passes[t]))
+  target = types.SimpleNamespace(config=types.SimpleNamespace(
+      d_model=8, n_heads=2, head_dim=4, n_kv_heads=2, d_ff=16, mlp="swiglu", n_layers=1,
+      vocab_size=8))
+  vc = costs.verify_costs(target, 1, [1, 2], context=16, repeats=2)
+  # γ = 1: per-round v = 1.5, 1.0 (median 1.25); best times say 1.5, medians 1.125.
+  assert vc["by_gamma"][1]["v"] == 1.25
+  assert (vc["by_gamma"][1]["v_min"], vc["by_gamma"][1]["v_max"]) == (1.0, 1.5)
+  assert vc["by_gamma"][2]["v"] == 2.0
