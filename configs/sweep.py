@@ -41,7 +41,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.presence_penalty = (0.0,)
   c.frequency_penalty = (0.0,)
   c.no_repeat_ngram_size = (0,)
-  # Draft length policy and verify rule (specjax.policies, specjax.rules), e.g.
+  # Draft length policy and verify rule (specjax.policies, specjax.verify.rules), e.g.
   # --config.gamma_policy='("fixed","heuristic","ledger")' --config.verify_rule='("exact","typical")'.
   # Only the 'exact' rule is lossless; rows carry `lossless`.
   c.gamma_policy = ("fixed",)

@@ -83,7 +83,7 @@ def get_config(arg: str = "target") -> ml_collections.ConfigDict:
     c.checkpoint_every = 100
     c.export_dtype = "bfloat16"
   elif arg in ("eagle", "medusa"):
-    # A head on the frozen shipped target (specjax.train_heads): its features are
+    # A head on the frozen shipped target (specjax.training.heads): its features are
     # computed on the fly, only the head trains.
     c.head = arg
     c.teacher = "stdlib-target"

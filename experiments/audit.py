@@ -36,7 +36,7 @@ import numpy as np
 from experiments import common
 from experiments import drift
 from specjax import costs
-from specjax import rules as rules_lib
+from specjax.verify import rules as rules_lib
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/audit", "Where audit.json and audit.md go.")
 _PARTS = flags.DEFINE_list("parts", ["tiny", "shipped", "speed"], "Which parts to run.")

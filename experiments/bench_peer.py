@@ -12,7 +12,7 @@ from absl import app
 from absl import flags
 
 from experiments import peer
-from specjax.pretrained import load_pretrained
+from specjax.models.pretrained import load_pretrained
 
 _TARGET = flags.DEFINE_string("target", "stdlib-target",
                               "Target: a shipped name, directory or hub id.")

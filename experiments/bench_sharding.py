@@ -37,10 +37,10 @@ from absl import flags  # noqa: E402
 import specjax  # noqa: E402
 from experiments import common  # noqa: E402
 from specjax import costs  # noqa: E402
-from specjax import kv_cache  # noqa: E402
-from specjax import model as model_lib  # noqa: E402
-from specjax import quantization  # noqa: E402
-from specjax import sharding  # noqa: E402
+from specjax.models import kv_cache  # noqa: E402
+from specjax.models import model as model_lib  # noqa: E402
+from specjax.models import quantization  # noqa: E402
+from specjax.models import sharding  # noqa: E402
 
 _TARGET = flags.DEFINE_string("target", "stdlib-target", "Target model.")
 _DRAFT = flags.DEFINE_string("draft", "stdlib-draft", "Draft model.")

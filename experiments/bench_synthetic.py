@@ -3,7 +3,7 @@ r"""Engine speed at a chosen acceptance: the synthetic verify rule on random-wei
   python -m experiments.bench_synthetic --config=configs/bench.py --workdir=runs/synth
   python -m experiments.bench_synthetic --config=configs/bench.py:gpu --workdir=runs/synth_gpu
 
-Speculative decoding with `specjax.rules.SyntheticRule` (position i accepted with
+Speculative decoding with `specjax.verify.rules.SyntheticRule` (position i accepted with
 probability α^(i+1)) timed against target-only decoding, for each (batch, γ, α) of the
 config; what is measured and written is in `experiments/synthetic.py` (the tests call it).
 Writes <workdir>/config.json, results.json and summary.md.

@@ -9,9 +9,9 @@ import numpy as np
 
 import specjax
 from specjax import costs
-from specjax import data as data_lib
+from specjax.training import data as data_lib
 from specjax import generation
-from specjax.pretrained import load_pretrained
+from specjax.models.pretrained import load_pretrained
 
 
 # Every history-dependent processor but the automaton, for their share of a round.

@@ -21,9 +21,9 @@ import numpy as np
 
 from experiments import common
 import specjax
-from specjax import kv_cache
-from specjax import model as model_lib
-from specjax.sampling import process_logits
+from specjax.models import kv_cache
+from specjax.models import model as model_lib
+from specjax.processors.sampling import process_logits
 
 
 # ----------------------------------------------------------------------------

@@ -15,8 +15,11 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from specjax import data
-from specjax import generation, heads, pretrained, train_heads
+from specjax.training import data
+from specjax import generation
+from specjax.models import heads
+from specjax.models import pretrained
+from specjax.training import heads as train_heads
 
 _HEAD = flags.DEFINE_string("head", None, "Directory of the trained head (float32 export).")
 _OUT = flags.DEFINE_string("out", None, "Where the bfloat16 head goes.")

@@ -21,9 +21,12 @@ import numpy as np
 from absl import app, flags
 
 from experiments import common
-from specjax import costs, data, generation, ledger
-from specjax import train as train_lib
-from specjax.pretrained import load_pretrained
+from specjax import costs
+from specjax.training import data
+from specjax import generation
+from specjax import ledger
+from specjax.models.pretrained import load_pretrained
+from specjax.training import lm as train_lib
 
 _TARGET = flags.DEFINE_string("target", "stdlib-target", "Target model name or directory.")
 _DRAFT = flags.DEFINE_string("draft", "stdlib-draft", "Draft model name or directory.")

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -40,7 +39,7 @@ import numpy as np
 import specjax
 from specjax import generation
 from specjax import hf
-from specjax.model import Model
+from specjax.models.model import Model
 
 HF_ASSISTED = "transformers assisted"  # the peer the goal is stated against
 

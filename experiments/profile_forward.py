@@ -44,10 +44,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from specjax import costs  # noqa: E402
-from specjax import kv_cache  # noqa: E402
-from specjax import model as model_lib  # noqa: E402
-from specjax import sampling  # noqa: E402
-from specjax.pretrained import load_pretrained  # noqa: E402
+from specjax.models import kv_cache  # noqa: E402
+from specjax.models import model as model_lib  # noqa: E402
+from specjax.models.pretrained import load_pretrained  # noqa: E402
+from specjax.processors import sampling  # noqa: E402
 
 _TARGET = flags.DEFINE_string("target", "stdlib-target", "Model name or directory.")
 _CACHE = flags.DEFINE_integer("cache_size", 256, "KV slots per row.")

@@ -24,7 +24,7 @@ from specjax import costs
 from specjax import generation
 from specjax import ledger
 from specjax import policies
-from specjax.pretrained import load_pretrained
+from specjax.models.pretrained import load_pretrained
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/sweep.py", "Sweep config.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where results go.", required=True)

@@ -1,7 +1,7 @@
 """Engine speed at a chosen acceptance (the library; the app is `bench_synthetic.py`).
 
 For each (batch, γ, α): speculative decoding whose verify rule accepts position i with
-probability α^(i+1) (`specjax.rules.SyntheticRule`, not lossless: the text is
+probability α^(i+1) (`specjax.verify.rules.SyntheticRule`, not lossless: the text is
 meaningless, only the speed is measured), timed against target-only decoding on the same
 engine, prompts and process (`common.paired_generate`, alternating). `run` reports
 tokens/s of both, the paired speedup with its spread, tokens per target call against

@@ -6,7 +6,7 @@ Re-running the same command resumes from the newest orbax checkpoint in DIR.
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from specjax import train as train_lib
+from specjax.training import lm as train_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file[:variant].")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and the model.")
@@ -18,7 +18,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   config = _CONFIG.value
   if config.get("head"):  # an EAGLE / Medusa head on a frozen target
-    from specjax import train_heads
+    from specjax.training import heads as train_heads
     train_heads.train(config, _WORKDIR.value)
   else:
     train_lib.train(config, _WORKDIR.value)

@@ -1,11 +1,11 @@
 """specjax: lossless speculative decoding in JAX/Flax."""
-from specjax import constraints
-from specjax.config import ModelConfig
 from specjax.generation import GenerateResult, generate
-from specjax.model import Model, init_model
-from specjax.pretrained import load_pretrained
-from specjax.quantization import quantize
-from specjax.sharding import shard
+from specjax.models.config import ModelConfig
+from specjax.models.model import Model, init_model
+from specjax.models.pretrained import load_pretrained
+from specjax.models.quantization import quantize
+from specjax.models.sharding import shard
+from specjax.processors import constraints
 
 __all__ = ["GenerateResult", "constraints", "Model", "ModelConfig", "generate", "init_model",
            "load_pretrained", "quantize", "shard"]

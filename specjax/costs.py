@@ -22,9 +22,9 @@ import jax
 import jax.numpy as jnp
 
 from specjax import decode as decode_lib
-from specjax import kv_cache
-from specjax import model as model_lib
-from specjax.sampling import Sampling
+from specjax.models import kv_cache
+from specjax.models import model as model_lib
+from specjax.processors.sampling import Sampling
 
 
 def paired(method: Callable[[], object], baseline: Callable[[], object], pairs: int = 3,

@@ -23,15 +23,15 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from specjax import kv_cache
-from specjax import model as model_lib
+from specjax.models import kv_cache
+from specjax.models import model as model_lib
 from specjax import policies
-from specjax import processors
-from specjax import sharding
+from specjax.models import sharding
+from specjax.processors import history as processors
 from specjax import trees
-from specjax.config import ModelConfig
-from specjax.sampling import Sampling
-from specjax.verify import ExactRule
+from specjax.models.config import ModelConfig
+from specjax.processors.sampling import Sampling
+from specjax.verify.exact import ExactRule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +45,7 @@ class Engine:
   drafter: Any  # a drafter from `specjax.drafters` (frozen dataclass)
   rule: Any = ExactRule()  # a verify rule from `specjax.verify` (frozen dataclass)
   policy: policies.GammaPolicy = policies.GammaPolicy()  # draft length per row and round
-  # The jax Mesh ('data', 'model') the state is laid out on (`specjax.sharding`); None:
+  # The jax Mesh ('data', 'model') the state is laid out on (`specjax.models.sharding`); None:
   # wherever the inputs are (one device), and no constraint is traced.
   mesh: Any = None
 

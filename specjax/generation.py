@@ -11,16 +11,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import checks
-from specjax import constraints as constraints_lib
 from specjax import decode as decode_lib
-from specjax import processors
+from specjax.processors import history as processors
 from specjax import trees
 from specjax import drafters as drafters_lib
-from specjax import heads as heads_lib
+from specjax.models import heads as heads_lib
 from specjax import policies
-from specjax import rules as rules_lib
-from specjax.model import Model
-from specjax.sampling import Sampling
+from specjax.models.model import Model
+from specjax.processors.sampling import Sampling
+from specjax.verify import rules as rules_lib
 
 DRAFTERS = ("model", "ngram", "eagle", "medusa")
 DRAFT_SAMPLE_MODES = ("probabilistic", "greedy")
@@ -347,7 +346,7 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
     stop_sequences: token-id lists (or strings, encoded with the target's tokenizer) that
       end a row once generated; emitted like EOS. A match must lie in the new tokens.
     draft: the draft model (same vocabulary as the target), or a draft head trained on
-      this target (`load_pretrained('stdlib-eagle')`, 'stdlib-medusa'; `specjax.heads`),
+      this target (`load_pretrained('stdlib-eagle')`, 'stdlib-medusa'; `specjax.models.heads`),
       which drafts from the target's own hidden states.
     gamma: draft tokens proposed per round (default 4; with a tree, its depth).
     tree: a token tree for the model or n-gram drafter: branching factors (k_1, ..., k_d)
@@ -361,7 +360,7 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
     draft_sample: 'probabilistic' (sample from q) or 'greedy' (argmax, one-hot q).
     ngram_min, ngram_max: suffix lengths the n-gram drafter tries.
     verify_rule: 'exact' (lossless, the default) or a research rule that is NOT lossless:
-      'typical', 'threshold', 'synthetic' (`specjax.rules`; stats['lossless'] says which).
+      'typical', 'threshold', 'synthetic' (`specjax.verify.rules`; stats['lossless'] says which).
     rule_params: keyword arguments of that rule, e.g. {'epsilon': 0.09, 'delta': 0.3}
       (typical), {'ratio': 0.5, 'floor': 0.3} (threshold), {'rates': (0.9, 0.8, ...)}
       (synthetic: one unconditional acceptance probability per draft position).
@@ -381,7 +380,7 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
       `draft_confidence`, default 0.4), 'ledger' (the length maximising E(α̂, L) /
       (L·c + v) for the row's running α̂; `draft_cost` = c / v, measured if None).
     mesh: a jax Mesh with axes ('data', 'model') (`jax.make_mesh((dp, tp), ('data',
-      'model'))`) to run on several devices (`specjax.sharding`): the target split over
+      'model'))`) to run on several devices (`specjax.models.sharding`): the target split over
       'model' (pass `specjax.shard(target, mesh)` to place it once, not every call), the
       draft replicated, the batch over 'data', padded with copies of the last prompt to
       a multiple of dp (the copies are dropped). Same seed, same tokens as one device.
@@ -400,7 +399,7 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
                  gamma_policy=gamma_policy, draft_confidence=draft_confidence,
                  draft_cost=draft_cost)
   if mesh is not None:
-    from specjax import sharding
+    from specjax.models import sharding
     args = sharding.distribute(args, mesh)  # its run() returns the caller's rows, on the host
   state = args.run(jax.random.PRNGKey(seed))
   tokens, n, prompt_len = jax.device_get((state.tokens, state.n, state.prompt_len))

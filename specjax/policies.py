@@ -144,7 +144,7 @@ def cut(n_accepted, next_token, ps, lengths, key):
   L tokens were all accepted would have drawn its bonus from p_{L+1} (index L) with a
   chain of L: that draw replaces the rule's next token; otherwise nothing changes.
   """
-  from specjax.sampling import sample
+  from specjax.processors.sampling import sample
   full = n_accepted >= lengths
   p_next = jnp.take_along_axis(ps, lengths[:, None, None], axis=1)[:, 0]
   bonus = sample(key, p_next)

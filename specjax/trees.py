@@ -35,12 +35,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import kv_cache
-from specjax import model as model_lib
-from specjax import processors
-from specjax.drafters import ModelDrafter, NgramDrafter
-from specjax.sampling import sample
-from specjax.verify import residual
+from specjax.drafters.model import ModelDrafter
+from specjax.drafters.ngram import NgramDrafter
+from specjax.models import kv_cache
+from specjax.models import model as model_lib
+from specjax.processors import history as processors
+from specjax.processors.sampling import sample
+from specjax.verify.exact import residual
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,7 +29,6 @@ import chex  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import pytest  # noqa: E402
 
 import specjax  # noqa: E402
 from specjax import decode as decode_lib  # noqa: E402

@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import checkpoint
-from specjax.config import ModelConfig
-from specjax.model import abstract_params, init_model
-from specjax.tokenizer import Tokenizer
+from specjax.models import checkpoint
+from specjax.models.config import ModelConfig
+from specjax.models.model import abstract_params, init_model
+from specjax.models.tokenizer import Tokenizer
 
 CONFIGS = {
     "gpt2": ModelConfig(vocab_size=50, d_model=16, n_layers=2, n_heads=2, max_len=32),

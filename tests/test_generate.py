@@ -1,6 +1,5 @@
 """Autoregressive `specjax.generate`: greedy oracle, stops, one compile per sweep, bad input."""
 
-import jax.numpy as jnp
 import numpy as np
 from absl.testing import parameterized
 

@@ -13,13 +13,13 @@ import ml_collections
 import numpy as np
 import pytest
 
-from specjax import heads as heads_lib
-from specjax import kv_cache
-from specjax import model as model_lib
-from specjax import train as train_lib
-from specjax import train_heads
-from specjax.head_drafters import EagleDrafter, MedusaDrafter
-from specjax.sampling import Sampling, process_logits
+from specjax.drafters.heads import EagleDrafter, MedusaDrafter
+from specjax.models import heads as heads_lib
+from specjax.models import kv_cache
+from specjax.models import model as model_lib
+from specjax.processors.sampling import Sampling, process_logits
+from specjax.training import heads as train_heads
+from specjax.training import lm as train_lib
 from conftest import tiny_model
 
 V, D, GAMMA = 16, 32, 3
@@ -330,7 +330,7 @@ def test_greedy_speculation_with_a_head_equals_target_greedy(target, kind):
 def test_shipped_head_reproduces_its_card(name):
   import sys
   from experiments.model_card import heldout_windows
-  from specjax import pretrained
+  from specjax.models import pretrained
   if not (pretrained.checkpoints_dir() / name).exists():
     pytest.skip(f"{name} is not in {pretrained.checkpoints_dir()}")
   head = pretrained.load_pretrained(name)

@@ -23,9 +23,9 @@ from safetensors.numpy import load_file, save_file  # noqa: E402
 
 import specjax  # noqa: E402
 from specjax import hf  # noqa: E402
-from specjax.config import ModelConfig  # noqa: E402
-from specjax.model import Model, graphdef_for, init_model, rope_frequencies  # noqa: E402
-from specjax.tokenizer import Tokenizer  # noqa: E402
+from specjax.models.config import ModelConfig  # noqa: E402
+from specjax.models.model import Model, init_model, rope_frequencies  # noqa: E402
+from specjax.models.tokenizer import Tokenizer  # noqa: E402
 
 ATOL = 1e-4
 

@@ -41,7 +41,8 @@ class LedgerTest(parameterized.TestCase):
 
 
 def test_tree_expected_tokens():
-  from specjax import ledger, trees
+  from specjax import ledger
+  from specjax import trees
   chain = trees.Tree.from_branching((1, 1, 1, 1))
   for alpha in (0.3, 0.7):
     np.testing.assert_allclose(ledger.tree_expected_tokens(chain.parents, alpha),

@@ -7,8 +7,8 @@ import numpy as np
 from absl.testing import parameterized
 
 import specjax
-from specjax import kv_cache
-from specjax import model as model_lib
+from specjax.models import kv_cache
+from specjax.models import model as model_lib
 from conftest import tiny_model
 
 CONFIGS = {

@@ -12,7 +12,7 @@ import specjax
 from specjax import decode as decode_lib
 from specjax import policies
 from specjax.generation import prepare
-from specjax.sampling import Sampling
+from specjax.processors.sampling import Sampling
 from conftest import PROMPTS, exact_continuations, greedy_oracle, target_and_draft, tiny_model
 
 SETTINGS = {  # each policy set so that rows really draft fewer than γ tokens

@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax import checkpoint, pretrained
-from specjax import train as train_lib
-from specjax.config import ModelConfig
-from specjax.model import Model, forward_cached_jit, init_model
-from specjax.kv_cache import init_kv
+from specjax.models import checkpoint
+from specjax.models import pretrained
+from specjax.models.config import ModelConfig
+from specjax.models.kv_cache import init_kv
+from specjax.models.model import Model, forward_cached_jit, init_model
+from specjax.training import lm as train_lib
 
 CARD = json.loads((pretrained.checkpoints_dir() / "card.json").read_text())
 

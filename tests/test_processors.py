@@ -14,7 +14,7 @@ import pytest
 from absl.testing import parameterized
 
 import specjax
-from specjax import constraints
+from specjax.processors import constraints
 from specjax import decode as decode_lib
 from conftest import decode_traces, target_and_draft, tiny_model
 

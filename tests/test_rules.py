@@ -1,4 +1,4 @@
-"""Research verify rules (specjax.rules): what each accepts, and that its drift shows.
+"""Research verify rules (specjax.verify.rules): what each accepts, and that its drift shows.
 
 The drift oracle: the target's exact law of the first 3 generated tokens by teacher
 forcing (conftest.exact_continuations), the empirical law of one batched generate call
@@ -16,7 +16,7 @@ from absl.testing import parameterized
 
 import specjax
 from experiments import drift
-from specjax import rules
+from specjax.verify import rules
 from conftest import PROMPTS, exact_continuations, greedy_oracle, target_and_draft
 
 

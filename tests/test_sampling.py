@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.sampling import process_logits, sample
+from specjax.processors.sampling import process_logits, sample
 
 LOGITS = jnp.log(jnp.array([0.05, 0.4, 0.1, 0.3, 0.15]))
 

@@ -23,9 +23,12 @@ import numpy as np
 from absl.testing import parameterized
 
 import specjax
-from specjax import checkpoint, kv_cache, quantization, sharding
-from specjax import model as model_lib
 from specjax.generation import prepare
+from specjax.models import checkpoint
+from specjax.models import kv_cache
+from specjax.models import model as model_lib
+from specjax.models import quantization
+from specjax.models import sharding
 from conftest import exact_continuations, greedy_oracle, tiny_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -1,6 +1,5 @@
 """Speculative decoding end to end: lossless at every temperature, exact when greedy."""
 
-import itertools
 
 import jax
 import jax.numpy as jnp

@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from specjax import data
-from specjax.tokenizer import EOS_TOKEN, Tokenizer
+from specjax.models.tokenizer import EOS_TOKEN, Tokenizer
+from specjax.training import data
 
 TRICKY = ("naïve café — λx: x² → 日本語 🐍\n\tmixed\tindent  \r\n"
           "trailing spaces   \n\x00\x7f control\u200b zero-width \ufeff bom\n")

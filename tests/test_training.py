@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 
 from configs import train as train_configs
-from specjax import checkpoint, data
-from specjax import train as train_lib
-from specjax.config import ModelConfig
-from specjax.model import init_model
+from specjax.models import checkpoint
+from specjax.models.config import ModelConfig
+from specjax.models.model import init_model
+from specjax.training import data
+from specjax.training import lm as train_lib
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ModelConfig.llama(vocab_size=32, d_model=32, n_layers=1, n_heads=2, max_len=32,

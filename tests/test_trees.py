@@ -9,14 +9,14 @@ import numpy as np
 from absl.testing import parameterized
 
 import specjax
-from specjax import constraints
+from specjax.processors import constraints
 from specjax import decode as decode_lib
 from specjax import drafters
 from specjax import generation
-from specjax import kv_cache
-from specjax import model as model_lib
+from specjax.models import kv_cache
+from specjax.models import model as model_lib
 from specjax import trees
-from specjax.verify import residual
+from specjax.verify.exact import residual
 from conftest import (PROMPTS, exact_continuations, greedy_oracle, target_and_draft, tempered,
                       tiny_model)
 from test_processors import EOS, PROMPT as PROC_PROMPT, exact_law, law_check

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import parameterized
 
-from specjax.sampling import process_logits, sample
-from specjax.verify import acceptance_prob, residual, verify
+from specjax.processors.sampling import process_logits, sample
+from specjax.verify.exact import acceptance_prob, residual, verify
 
 P = np.array([0.6, 0.3, 0.1])
 Q = np.array([0.2, 0.5, 0.3])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from specjax.config import ROPE_SCALINGS, ModelConfig
+from specjax.models.config import ROPE_SCALINGS, ModelConfig
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ import numpy as np
 
 from specjax.hf.config import config_from_hf, config_to_hf, export_type
 from specjax.hf.weights import params_from_hf, params_to_hf
-from specjax.model import Model, float_dtype
-from specjax.pretrained import looks_like_hub_id
+from specjax.models.model import Model, float_dtype
+from specjax.models.pretrained import looks_like_hub_id
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
@@ -155,7 +155,7 @@ def load_tokenizer(directory: Path, hf_config: dict):
   if not path.is_file():
     return None
   import tokenizers
-  from specjax.tokenizer import Tokenizer
+  from specjax.models.tokenizer import Tokenizer
   try:
     raw = tokenizers.Tokenizer.from_file(str(path))
   except Exception as e:  # the Rust side raises a bare Exception
@@ -197,7 +197,7 @@ def load_hf_model(path_or_id: str | os.PathLike, dtype=jnp.float32, mesh=None) -
                           host=mesh is not None)
   model = Model(cfg, params, load_tokenizer(directory, hf_config))
   if mesh is not None:
-    from specjax import sharding
+    from specjax.models import sharding
     model = sharding.shard(model, mesh)
   return model
 
@@ -205,7 +205,7 @@ def load_hf_model(path_or_id: str | os.PathLike, dtype=jnp.float32, mesh=None) -
 def _tokenizer_saver(tokenizer):
   """A function writing `tokenizer` as tokenizer.json, or None if it is not that kind."""
   import tokenizers
-  from specjax.tokenizer import Tokenizer
+  from specjax.models.tokenizer import Tokenizer
   if isinstance(tokenizer, (Tokenizer, tokenizers.Tokenizer)):
     return lambda path: tokenizer.save(str(path))
   return None
@@ -222,7 +222,8 @@ def export_hf(model: Model, out_dir: str | os.PathLike) -> Path:
   """
   if not isinstance(model, Model):
     raise ValueError(f"export_hf expects a specjax Model, got {type(model).__name__}")
-  from specjax import quantization, sharding
+  from specjax.models import quantization
+  from specjax.models import sharding
   if any(quantization.is_quantized(node) for node in jax.tree_util.tree_leaves(
       model.params, is_leaf=quantization.is_quantized)):
     raise ValueError("export_hf needs float weights; this model is int8-quantised "

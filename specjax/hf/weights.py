@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.config import ModelConfig
 from specjax.hf.config import export_type, family
-from specjax.model import Model, Params, abstract_params, float_dtype
+from specjax.models.config import ModelConfig
+from specjax.models.model import Model, Params, abstract_params, float_dtype
 
 # Buffers some checkpoints carry that hold no weights (causal masks, RoPE tables).
 _IGNORED_TENSORS = re.compile(r"(^|\.)attn\.(masked_)?bias$|rotary_emb\.inv_freq$")

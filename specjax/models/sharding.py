@@ -19,7 +19,7 @@ unchanged). A part that does not divide falls back to being replicated: attentio
 n_heads % tp != 0 (every device computes every head; its KV cache is then replicated
 over 'model'), the MLP when d_ff % tp != 0, the embedding / LM head when
 vocab_size % tp != 0. `plan` says which; docs/SCALING.md has the table. These rules
-and layouts live in `specjax.tensor_layout`; this module places arrays on the mesh.
+and layouts live in `specjax.models.tensor_layout`; this module places arrays on the mesh.
 
 `generate(..., mesh=mesh)` runs the same jitted engine (`decode.decode`): `distribute`
 places the weights, pads the batch to a multiple of the 'data' axis with copies of the
@@ -47,10 +47,10 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from specjax import checks
 from specjax import drafters as drafters_lib
-from specjax import kv_cache
-from specjax.config import ModelConfig
-from specjax.model import Model
-from specjax.tensor_layout import MODEL, host, layout_config, param_specs, plan, regroup
+from specjax.models import kv_cache
+from specjax.models.config import ModelConfig
+from specjax.models.model import Model
+from specjax.models.tensor_layout import MODEL, host, layout_config, param_specs, plan, regroup
 
 DATA = "data"
 # Per-row fields of `Sampling` and of `processors.ProcessorSettings` (everything else in

@@ -33,12 +33,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from specjax import checkpoint as checkpoint_lib
-from specjax import data as data_lib
-from specjax import model as model_lib
-from specjax import sampling
-from specjax.config import ModelConfig
-from specjax.tokenizer import Tokenizer
+from specjax.models import checkpoint as checkpoint_lib
+from specjax.models import model as model_lib
+from specjax.models.config import ModelConfig
+from specjax.models.tokenizer import Tokenizer
+from specjax.processors import sampling
+from specjax.training import data as data_lib
 
 DISTILL_KINDS = ("fkl", "rkl", "tvd")
 # optax renamed global_norm; take the new name where it exists.
@@ -207,7 +207,7 @@ def model_config_from(config) -> ModelConfig:
 
 
 def _load_teacher(spec: str):
-  from specjax.pretrained import load_pretrained
+  from specjax.models.pretrained import load_pretrained
   return load_pretrained(spec)
 
 

@@ -19,7 +19,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specjax.sampling import sample
+from specjax.processors.sampling import sample
 
 
 def acceptance_prob(p: jax.Array, q: jax.Array, y: jax.Array) -> jax.Array:

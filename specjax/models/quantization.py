@@ -73,7 +73,7 @@ def quantize(model, mode: str = "int8"):
   """
   if mode not in MODES:
     raise ValueError(f"quantize mode must be one of {MODES}, got {mode!r}")
-  from specjax.model import Model
+  from specjax.models.model import Model
   if not isinstance(model, Model):
     raise ValueError(f"quantize needs a specjax Model, got {type(model).__name__}")
   return model.with_params(_quantize_tree(model.params))

@@ -1,4 +1,4 @@
-"""Drafters for the learned heads of `specjax.heads`: EAGLE and Medusa.
+"""Drafters for the learned heads of `specjax.models.heads`: EAGLE and Medusa.
 
 Both follow the engine's drafter protocol with `uses_features = True`: the round hands
 them the target's last hidden states.
@@ -27,9 +27,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from specjax import heads as heads_lib
-from specjax import kv_cache
-from specjax.sampling import process_logits, sample
+from specjax.models import heads as heads_lib
+from specjax.models import kv_cache
+from specjax.processors.sampling import process_logits, sample
 
 SAMPLE_MODES = ("probabilistic", "greedy")
 
@@ -210,7 +210,7 @@ class MedusaDrafter:
 
   f_{n-2} predicts x_{n-1} (the pending token) through the target's own LM head, so head
   k, trained to predict x_{t+k+1} from f_t, drafts x_{n-1+k} = y_k. Each q_k depends on
-  the committed history only (see `specjax.heads` for why the rule stays exact).
+  the committed history only (see `specjax.models.heads` for why the rule stays exact).
   """
 
   config: heads_lib.HeadConfig

@@ -5,7 +5,7 @@ config can be (whole heads, whole MLP units, whole tokens; a part that does not 
 stays replicated); `layout_config` / `regroup` lay the fused q|k|v and gate|up kernels
 out in tp groups and repeat KV heads (host-side permutations of the columns);
 `param_specs` gives each parameter its PartitionSpec. No device placement here:
-`specjax.sharding` places what this module describes (docs/SCALING.md).
+`specjax.models.sharding` places what this module describes (docs/SCALING.md).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from specjax import checks
-from specjax import model as model_lib
-from specjax import quantization
-from specjax.config import ModelConfig
+from specjax.models import model as model_lib
+from specjax.models import quantization
+from specjax.models.config import ModelConfig
 
 MODEL = "model"  # the mesh axis the weights are split over
 

@@ -1,22 +1,4 @@
-"""Drafters: what proposes γ tokens each round, behind one small interface.
-
-A drafter is a frozen (hashable) dataclass, so it is a static argument of the jitted
-decode loop, with four pure methods:
-
-  init(batch, size)                          -> state (a pytree; may be empty)
-  prefill(params, state, tokens, n, features) -> state, ready for the first round
-  propose(params, state, tokens, n, key, sampling)
-                                             -> (y int[B, γ], q [B, γ, V], state)
-  rollback(state, n, features, start)        -> state consistent with the committed n
-
-`tokens[B, S]` is the sequence buffer and `n[B]` the committed length of each row; the
-last committed token (index n-1) has no KV yet on either side. q is the distribution
-each y was drawn from (one-hot for token-only drafts).
-
-A drafter whose `uses_features` is True (a head on the target's hidden states) gets
-the target's last hidden states: of the prompt prefill in `prefill`, and of the verify
-pass (inputs at positions start[b]..start[b]+γ) in `rollback`. Everything else gets None.
-"""
+"""A draft model: a small causal LM with its own KV cache, rolled back with the target's."""
 
 from __future__ import annotations
 
@@ -25,32 +7,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specjax import kv_cache
-from specjax import model as model_lib
-from specjax.config import ModelConfig
-from specjax.sampling import sample
-
-
-@dataclasses.dataclass(frozen=True)
-class NoDrafter:
-  """γ = 0: every round is one plain autoregressive target step."""
-
-  vocab_size: int
-  gamma: int = 0
-  uses_features = False
-
-  def init(self, batch, size):
-    return ()
-
-  def prefill(self, params, state, tokens, n, features=None):
-    return state
-
-  def propose(self, params, state, tokens, n, key, sampling):
-    b = tokens.shape[0]
-    return (jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0, self.vocab_size), jnp.float32), state)
-
-  def rollback(self, state, n, features=None, start=None):
-    return state
+from specjax.models import kv_cache
+from specjax.models import model as model_lib
+from specjax.models.config import ModelConfig
+from specjax.processors.sampling import sample
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,54 +126,3 @@ class ModelDrafter:
   def rollback(self, kv, n, features=None, start=None):
     # Valid KV = the committed history (all but the pending token) ∩ what it computed.
     return kv.rollback(jnp.minimum(kv.length, n - 1))
-
-
-@dataclasses.dataclass(frozen=True)
-class NgramDrafter:
-  """Prompt lookup: continue the most recent earlier occurrence of the longest suffix.
-
-  Finds the latest position whose preceding max_n..min_n tokens equal the sequence's
-  last tokens and proposes what followed. Past the end of the sequence the match is
-  periodic, so the proposal wraps (a repeated phrase keeps repeating). With no match it
-  proposes the last token repeated: useless but harmless, since q is one-hot and the
-  rule stays exact. Token-only, no state, fully jittable.
-  """
-
-  vocab_size: int
-  gamma: int
-  min_n: int = 1
-  max_n: int = 4
-  uses_features = False
-
-  def init(self, batch, size):
-    return ()
-
-  def prefill(self, params, state, tokens, n, features=None):
-    return state
-
-  def _scores(self, tokens, n):
-    """One row: int32[S], per continuation start i (the matched n-gram ends at i-1), the
-    rank of its match — longest first, then the most recent — or -1 for no match."""
-    size = tokens.shape[0]
-    starts = jnp.arange(size)
-    ks = jnp.arange(1, self.max_n + 1)[:, None]
-    earlier = jnp.take(tokens, starts[None, :] - ks, mode="clip")
-    suffix = jnp.take(tokens, n - ks, mode="clip")
-    same = (earlier == suffix) & (starts[None, :] - ks >= 0) & (n - ks >= 0)
-    match_len = jnp.sum(jnp.cumprod(same.astype(jnp.int32), axis=0), axis=0)
-    ok = (starts < n) & (match_len >= self.min_n)
-    return jnp.where(ok, match_len * size + starts, -1)
-
-  def _propose_row(self, tokens, n):
-    score = self._scores(tokens, n)
-    best = jnp.argmax(score)
-    best = jnp.where(score[best] >= 0, best, n - 1)
-    period = n - best
-    return jnp.take(tokens, best + jnp.arange(self.gamma) % period, mode="clip")
-
-  def propose(self, params, state, tokens, n, key, sampling):
-    y = jax.vmap(self._propose_row)(tokens, n).astype(jnp.int32)
-    return y, jax.nn.one_hot(y, self.vocab_size, dtype=jnp.float32), state
-
-  def rollback(self, state, n, features=None, start=None):
-    return state

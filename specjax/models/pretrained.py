@@ -15,8 +15,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from specjax import checkpoint as checkpoint_lib
-from specjax import model as model_lib
+from specjax.models import checkpoint as checkpoint_lib
 
 KNOWN = ("stdlib-target", "stdlib-draft", "stdlib-eagle", "stdlib-medusa")
 ENV_VAR = "SPECJAX_CHECKPOINTS"
@@ -41,7 +40,7 @@ def _is_hf_dir(path: Path) -> bool:
 
 
 def _is_head_dir(path: Path) -> bool:
-  from specjax import heads
+  from specjax.models import heads
   return heads.is_head(path)
 
 
@@ -49,7 +48,7 @@ def _load_dir(path: Path, dtype, mesh=None):
   if _is_head_dir(path):
     if mesh is not None:
       raise ValueError(f"{path} is a draft head; mesh= places models (load the head without it)")
-    from specjax import heads
+    from specjax.models import heads
     return heads.load_head(path, dtype)
   return checkpoint_lib.load_model(path, dtype, mesh)
 
@@ -74,7 +73,7 @@ def load_pretrained(name_or_path: str | os.PathLike, dtype=jnp.float32, mesh=Non
   ever holds the whole model.
 
   A draft-head directory (e.g. 'stdlib-eagle', 'stdlib-medusa') gives a
-  `specjax.heads.Head` instead.
+  `specjax.models.heads.Head` instead.
   """
   name = os.fspath(name_or_path)
   if name in KNOWN:

@@ -1,6 +1,6 @@
 """The stateless pieces of attention: RoPE, attention over a KV cache, fused projections.
 
-Pure jnp / numpy functions, no parameters: `specjax.model`'s `Attention` and `MLP` call
+Pure jnp / numpy functions, no parameters: `specjax.models.model`'s `Attention` and `MLP` call
 them, and profiling code can time them alone.
 """
 
@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.config import ModelConfig
+from specjax.models.config import ModelConfig
 
 
 def split_fused(x, groups: int, sizes):

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import checks
-from specjax.constraints import DEAD, TokenAutomaton
+from specjax.processors.constraints import DEAD, TokenAutomaton
 
 
 @dataclasses.dataclass(frozen=True)

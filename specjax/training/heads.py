@@ -29,11 +29,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from specjax import data as data_lib
-from specjax import heads as heads_lib
-from specjax import model as model_lib
-from specjax import sampling
-from specjax import train as train_lib
+from specjax.models import heads as heads_lib
+from specjax.models import model as model_lib
+from specjax.processors import sampling
+from specjax.training import data as data_lib
+from specjax.training import lm as train_lib
 
 
 def smooth_l1(x: jax.Array) -> jax.Array:

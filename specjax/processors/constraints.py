@@ -3,7 +3,7 @@
 A `TokenAutomaton` is a transition table `next[state, token]` (DEAD = -1 where the token
 would leave the language), the accepting states and a start state. `generate(...,
 constraint=automaton)` masks every token whose transition is DEAD, per candidate prefix
-(`processors.py`); EOS is allowed only in accepting states, and a row stops once its
+(`history.py`); EOS is allowed only in accepting states, and a row stops once its
 state accepts and nothing can follow.
 
 The regex is compiled to a character automaton by `interegular`; each token's text is

@@ -13,7 +13,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from specjax.config import ModelConfig
+from specjax.models.config import ModelConfig
 
 
 @flax.struct.dataclass

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import processors
+from specjax.processors import history as processors
 
 
 @flax.struct.dataclass
@@ -25,7 +25,7 @@ class Sampling:
   """Traced per-row sampling settings: one compile serves every value.
 
   Built by `Sampling.create` (or `specjax.generation.prepare`), the one place that fills
-  the defaults. `procs`/`pcfg` are the history-dependent processors (`processors.py`);
+  the defaults. `procs`/`pcfg` are the history-dependent processors (`history.py`);
   `history` is attached by the engine each round: the committed prefix of every row.
   """
   temperature: jax.Array  # float32[B]; 0 = greedy

@@ -2,7 +2,7 @@
 
 The module tree is built once; `nnx.split` separates a static `graphdef` from the
 parameters, which travel as a plain nested dict through `jax.jit`-ed functions and are
-merged back inside. Attention is written by hand (`specjax.layers.attend`, not Flax's
+merged back inside. Attention is written by hand (`specjax.models.layers.attend`, not Flax's
 decode cache) because every row of a batch writes at its own position and a verify pass
 writes several tokens.
 """
@@ -19,15 +19,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax import kv_cache
-from specjax import quantization
-from specjax.config import ModelConfig
-from specjax.layers import attend, rope, rope_frequencies, split_fused
+from specjax.models import kv_cache
+from specjax.models import quantization
+from specjax.models.config import ModelConfig
+from specjax.models.layers import attend, rope, rope_frequencies, split_fused
 
 Params = dict[str, Any]
 
 
-# Tensor parallelism (applied by `specjax.sharding`): the axis of each weight that is
+# Tensor parallelism (applied by `specjax.models.sharding`): the axis of each weight that is
 # split over the mesh's 'model' axis, keyed by the tail of its parameter path. Anything
 # not listed (norms, position embeddings, the biases added after a split contraction)
 # is replicated. The fused kernels split into whole heads / units because `specjax.shard`

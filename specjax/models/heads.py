@@ -21,7 +21,7 @@ prefix and y_{<k}), y_k is therefore distributed as q_k, and the rule's proof at
 position k needs nothing else: accept with min(1, p_k/q_k), else resample the residual.
 
 `Head` bundles a trained head with the fingerprint of the target it was trained on.
-`specjax.head_drafters` turns a head into a drafter for the decode loop.
+`specjax.drafters.heads` turns a head into a drafter for the decode loop.
 """
 
 from __future__ import annotations
@@ -40,10 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax import checkpoint as checkpoint_lib
-from specjax import kv_cache
-from specjax import model as model_lib
-from specjax.config import ModelConfig
+from specjax.models import checkpoint as checkpoint_lib
+from specjax.models import model as model_lib
+from specjax.models.config import ModelConfig
 
 KINDS = ("eagle", "medusa")
 # The target's own (frozen) parameters a head reads, under the target's names.
@@ -226,7 +225,7 @@ class Head:
     return model_lib.count_params(self.params)
 
   def drafter(self, gamma: int, sample_mode: str = "probabilistic"):
-    from specjax import head_drafters
+    from specjax.drafters import heads as head_drafters
     cls = head_drafters.EagleDrafter if self.kind == "eagle" else head_drafters.MedusaDrafter
     return cls(self.config, gamma, sample_mode)
 
@@ -260,7 +259,7 @@ class Head:
 
 # ----------------------------------------------------------------------------------
 # On disk: DIR/head.json (config, fingerprint, shapes, SHA-256 of params.npz) + params.npz,
-# in the layout of `specjax.checkpoint` (bfloat16 kept as uint16 bit patterns).
+# in the layout of `specjax.models.checkpoint` (bfloat16 kept as uint16 bit patterns).
 
 
 def is_head(path: str | os.PathLike) -> bool:

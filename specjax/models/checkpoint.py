@@ -3,10 +3,10 @@
     DIR/model.json      format tag, ModelConfig, every parameter's shape and stored
                         dtype, the SHA-256 of params.npz, free-form metadata
     DIR/params.npz      one array per parameter, keyed 'blocks/0/attn/qkv/kernel'
-    DIR/tokenizer.json  optional, loads with `specjax.tokenizer.Tokenizer.from_file`
+    DIR/tokenizer.json  optional, loads with `specjax.models.tokenizer.Tokenizer.from_file`
 
 Plain numpy so a checkpoint is readable without orbax or a matching jax; orbax is kept
-for the training state (`specjax.train`). bfloat16 arrays are stored as their uint16
+for the training state (`specjax.training.lm`). bfloat16 arrays are stored as their uint16
 bit patterns (npz has no bfloat16), so any dtype round-trips bit for bit. The hash
 catches truncated or corrupted files before any array is trusted.
 """
@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import model as model_lib
-from specjax.config import ModelConfig
+from specjax.models import model as model_lib
+from specjax.models.config import ModelConfig
 
 FORMAT = "specjax-model"
 VERSION = 1
@@ -65,7 +65,7 @@ def save_model(path: str | os.PathLike, config: ModelConfig, params, tokenizer=N
                dtype=None, metadata: dict[str, Any] | None = None) -> Path:
   """Writes a model directory; `dtype` (e.g. jnp.bfloat16) casts floating parameters.
 
-  `tokenizer` is a `specjax.tokenizer.Tokenizer` or a path to a tokenizer.json.
+  `tokenizer` is a `specjax.models.tokenizer.Tokenizer` or a path to a tokenizer.json.
   Files are written under temporary names and renamed, so a crash leaves no
   half-written checkpoint that looks complete.
   """
@@ -182,7 +182,7 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, mesh=None) -> model_l
   cfg, params = load_params(path, dtype, host=mesh is not None)
   tokenizer = None
   if read_manifest(path).get("has_tokenizer"):
-    from specjax.tokenizer import Tokenizer
+    from specjax.models.tokenizer import Tokenizer
     tok_path = path / TOKENIZER
     if not tok_path.is_file():
       raise CheckpointError(f"checkpoint {path} is missing {TOKENIZER}")
@@ -195,6 +195,6 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, mesh=None) -> model_l
                             f"model only {cfg.vocab_size}")
   model = model_lib.Model(cfg, params, tokenizer)
   if mesh is not None:
-    from specjax import sharding
+    from specjax.models import sharding
     model = sharding.shard(model, mesh)
   return model

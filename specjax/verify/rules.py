@@ -32,8 +32,8 @@ import numbers
 import jax
 import jax.numpy as jnp
 
-from specjax.sampling import sample
-from specjax.verify import ExactRule
+from specjax.processors.sampling import sample
+from specjax.verify.exact import ExactRule
 
 RULES = ("exact", "typical", "threshold", "synthetic")
 

@@ -1,0 +1,59 @@
+"""Prompt lookup (n-gram) drafting: token-only, so q is one-hot and the rule stays exact."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class NgramDrafter:
+  """Prompt lookup: continue the most recent earlier occurrence of the longest suffix.
+
+  Finds the latest position whose preceding max_n..min_n tokens equal the sequence's
+  last tokens and proposes what followed. Past the end of the sequence the match is
+  periodic, so the proposal wraps (a repeated phrase keeps repeating). With no match it
+  proposes the last token repeated: useless but harmless, since q is one-hot and the
+  rule stays exact. Token-only, no state, fully jittable.
+  """
+
+  vocab_size: int
+  gamma: int
+  min_n: int = 1
+  max_n: int = 4
+  uses_features = False
+
+  def init(self, batch, size):
+    return ()
+
+  def prefill(self, params, state, tokens, n, features=None):
+    return state
+
+  def _scores(self, tokens, n):
+    """One row: int32[S], per continuation start i (the matched n-gram ends at i-1), the
+    rank of its match — longest first, then the most recent — or -1 for no match."""
+    size = tokens.shape[0]
+    starts = jnp.arange(size)
+    ks = jnp.arange(1, self.max_n + 1)[:, None]
+    earlier = jnp.take(tokens, starts[None, :] - ks, mode="clip")
+    suffix = jnp.take(tokens, n - ks, mode="clip")
+    same = (earlier == suffix) & (starts[None, :] - ks >= 0) & (n - ks >= 0)
+    match_len = jnp.sum(jnp.cumprod(same.astype(jnp.int32), axis=0), axis=0)
+    ok = (starts < n) & (match_len >= self.min_n)
+    return jnp.where(ok, match_len * size + starts, -1)
+
+  def _propose_row(self, tokens, n):
+    score = self._scores(tokens, n)
+    best = jnp.argmax(score)
+    best = jnp.where(score[best] >= 0, best, n - 1)
+    period = n - best
+    return jnp.take(tokens, best + jnp.arange(self.gamma) % period, mode="clip")
+
+  def propose(self, params, state, tokens, n, key, sampling):
+    y = jax.vmap(self._propose_row)(tokens, n).astype(jnp.int32)
+    return y, jax.nn.one_hot(y, self.vocab_size, dtype=jnp.float32), state
+
+  def rollback(self, state, n, features=None, start=None):
+    return state

@@ -1,0 +1,13 @@
+"""Verify rules: (candidates, q, p) -> the accepted prefix and the next token, one row at a time.
+
+  exact.py   the lossless rule (accept min(1, p/q), else sample [p - q]+; bonus from p)
+  rules.py   research rules beside it (typical, threshold, synthetic), none lossless
+
+Tree rounds walk the same rule down a token tree (`specjax.trees.walk`).
+"""
+
+from specjax.verify.exact import ExactRule, acceptance_prob, residual, verify
+from specjax.verify.rules import RULES, SyntheticRule, ThresholdRule, TypicalRule, make_rule
+
+__all__ = ["RULES", "ExactRule", "SyntheticRule", "ThresholdRule", "TypicalRule",
+           "acceptance_prob", "make_rule", "residual", "verify"]
