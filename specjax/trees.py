@@ -8,9 +8,10 @@ j-1 k_j children; `Tree.from_paths([(0,), (1,), (0, 0)])` takes Medusa-style cho
 
 The walk (one row, `vmap`ped): at the current node the target's distribution p is tried
 against the children in order.
-  sampled children (i.i.d. draws from the draft's q at that node): recursive rejection
-  sampling. A child x is accepted with min(1, p(x)/q(x)); on a rejection
-  p <- normalise([p - q]_+) and the next child is tried against the new p.
+  sampled children (draws from the draft's q at that node without replacement):
+  recursive rejection sampling. A child x is accepted with min(1, p(x)/q(x)); on a
+  rejection p <- normalise([p - q]_+), q loses x (renormalised) and the next child is
+  tried against both. Past q's support a child is a fixed token: point-mass rule.
   deterministic children (the draft's top-k, distinct point masses): a child x is
   accepted with probability p(x); on a rejection p(x) <- 0 and p is renormalised.
 If every child is rejected the token is drawn from what is left of p; accepting a child
@@ -144,6 +145,19 @@ class Tree:
 # Drafting.
 
 
+def sample_distinct(key, q, logits, k):
+  """k distinct children per row of q [..., V]: draws without replacement, in draw order.
+
+  Gumbel-top-k (Kool et al. 2019): the top k of log q + Gumbel noise are a sequential
+  sample without replacement from q. Once q's support is used up, the rest are the
+  best remaining `logits`, fixed tokens that the walk judges with the point-mass rule.
+  """
+  noise = jax.random.gumbel(key, q.shape, jnp.float32)
+  score = jnp.where(q > 0, jnp.log(jnp.where(q > 0, q, 1.0)) + noise,
+                    -1e4 + jnp.clip(logits, -1e3, 1e3))
+  return jax.lax.top_k(score, k)[1].astype(jnp.int32)
+
+
 @dataclasses.dataclass(frozen=True)
 class TreeModelDrafter(ModelDrafter):
   """The model drafter, growing a tree depth by depth: one cached pass per depth scores
@@ -164,15 +178,12 @@ class TreeModelDrafter(ModelDrafter):
     if self.sample_mode == "greedy":
       return top(), q
 
-    def draws():  # i.i.d. from q; rows at T = 0 take the top-k (below)
-      keys = jax.random.split(key, k)
-      out = jnp.stack([sample(kk, q) for kk in keys], axis=-1)
-      return jnp.where((sampling.temperature <= 0)[:, None, None], top(), out)
+    def draws():  # distinct draws from q (without replacement); T = 0 rows: the top-k
+      return sample_distinct(key, q, logits, k)
 
-    # At T = 0 q is a point mass: k draws would be k copies of its argmax. The top-k are
-    # distinct, and still exact under the sampled rule, since p is a point mass too: a
-    # child is accepted iff it is the target's argmax, and a rejection leaves p as it was
-    # ([p - q]_+ is p, or empty and falling back to p).
+    # At T = 0 q is a point mass: its one draw is the argmax and the rest fall back to the
+    # draft's next-best logits, which is the top-k. The walk judges those with the
+    # point-mass rule once q's support is used up, so they stay exact.
     return jax.lax.cond(jnp.all(sampling.temperature <= 0), top, draws), q
 
   def propose(self, params, kv, tokens, n, key, sampling):
@@ -319,21 +330,25 @@ def walk(key, node_tokens, node_q, ps, tree: Tree, deterministic: bool):
   for j in range(depth):
     found = jnp.int32(-1)
     first = children[cur, 0]
-    overlap = overlap.at[j].set(jnp.where(
-        alive & (first >= 0), jnp.sum(jnp.minimum(dist, node_q[jnp.maximum(first, 0)])), 0.0))
+    left = node_q[jnp.maximum(first, 0)]  # the siblings' q, minus the siblings tried
+    overlap = overlap.at[j].set(jnp.where(alive & (first >= 0), jnp.sum(jnp.minimum(dist, left)),
+                                          0.0))
     for r in range(children.shape[1]):
       c = children[cur, r]
       trying = alive & (c >= 0) & (found < 0)
       x = node_tokens[jnp.maximum(c, 0)]
-      q = node_q[jnp.maximum(c, 0)]
       u = jax.random.uniform(keys[j * children.shape[1] + r])
+      dropped = dist.at[x].set(0.0)
+      point_rejected = dropped / jnp.maximum(jnp.sum(dropped), 1e-30)
       if deterministic:
-        accept = u < dist[x]
-        dropped = dist.at[x].set(0.0)
-        rejected = dropped / jnp.maximum(jnp.sum(dropped), 1e-30)
+        accept, rejected = u < dist[x], point_rejected
       else:
-        accept = u * q[x] < dist[x]
-        rejected = residual(dist, q)
+        mass = jnp.sum(left)
+        q = left / jnp.maximum(mass, 1e-30)  # x was drawn from q (without replacement)
+        drawn = mass > 0  # else q's support is used up: x is a fixed token
+        accept = jnp.where(drawn, u * q[x] < dist[x], u < dist[x])
+        rejected = jnp.where(drawn, residual(dist, q), point_rejected)
+        left = jnp.where(trying, left.at[x].set(0.0), left)
       found = jnp.where(trying & accept, c, found)
       dist = jnp.where(trying & ~accept, rejected, dist)
     moved = alive & (found >= 0)

@@ -1,8 +1,6 @@
 """Token trees: exact node rules, the law of whole continuations, greedy equality, tree
 attention and KV compaction."""
 
-import itertools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,18 +22,27 @@ from test_processors import EOS, PROMPT as PROC_PROMPT, exact_law, law_check
 
 def node_law(p, q, children, rule):
   """float64 law of the token a node emits (accepted child or final draw), given its
-  children's tokens, under 'sampled' (recursive rejection) or 'topk' (point masses).
-  'wrong' judges top-k children as if they were samples from q: min(1, p/q) and the
-  residual [p - q]_+ — the mistake the docs warn about."""
+  children's tokens, under
+    'sampled': children drawn from q without replacement (the drafter's order), judged
+      by recursive rejection against q minus the siblings already tried; once q's
+      support is used up the remaining children are fixed tokens (point-mass rule);
+    'iid': the rule for i.i.d. children (q never loses the tried siblings), which is
+      wrong for children drawn without replacement;
+    'topk': point masses; 'wrong': top-k children judged as if they were samples from
+      q (min(1, p/q), residual [p - q]_+), the mistake the docs warn about."""
   out = np.zeros_like(p)
   reach = 1.0
   dist = p.copy()
+  left = q.copy()
   for x in children:
-    if rule in ("sampled", "wrong"):
-      a = min(1.0, dist[x] / q[x]) if q[x] > 0 else 1.0
+    drawn = left.sum() > 0 if rule == "sampled" else rule in ("iid", "wrong")
+    if drawn:
+      qx = left / left.sum() if rule == "sampled" else q
+      a = min(1.0, dist[x] / qx[x]) if qx[x] > 0 else 1.0
       out[x] += reach * a
       reach *= 1 - a
-      dist = np.asarray(residual(jnp.asarray(dist), jnp.asarray(q)), np.float64)
+      dist = np.asarray(residual(jnp.asarray(dist), jnp.asarray(qx)), np.float64)
+      left = left * (1 - np.eye(len(p))[x])
     else:
       onehot = np.eye(len(p))[x]
       a = dist[x]
@@ -46,17 +53,45 @@ def node_law(p, q, children, rule):
   return out + reach * dist
 
 
+def distinct_draws(q, k, fallback):
+  """Every ordered draw of k children from q without replacement, with its probability;
+  past q's support the children are `fallback`'s next tokens (fixed, as in the drafter)."""
+  out = []
+
+  def grow(seq, prob, left):
+    if len(seq) == k:
+      out.append((seq, prob))
+      return
+    if left.sum() <= 0:
+      rest = [t for t in fallback if t not in seq][:k - len(seq)]
+      out.append((seq + rest, prob))
+      return
+    for x in np.flatnonzero(left):
+      grow(seq + [int(x)], prob * left[x] / left.sum(), left * (1 - np.eye(len(q))[x]))
+
+  grow([], 1.0, q.copy())
+  return out
+
+
 class NodeRuleTest(parameterized.TestCase):
 
-  @parameterized.parameters(range(4))
-  def test_sampled_children_give_p(self, seed):
+  @parameterized.parameters((0, 4), (1, 4), (2, 2), (3, 1))
+  def test_sampled_children_give_p_and_the_iid_rule_does_not(self, seed, support):
+    """Children drawn without replacement emit p under the sampled rule, also when q's
+    support (`support` of 5 tokens) runs out before the 3 children do."""
     rng = np.random.default_rng(seed)
-    vocab, k = 4, 3
-    p, q = rng.dirichlet(np.ones(vocab) * 0.5), rng.dirichlet(np.ones(vocab) * 0.5)
-    law = np.zeros(vocab)
-    for draws in itertools.product(range(vocab), repeat=k):  # every i.i.d. draw from q
-      law += np.prod(q[list(draws)]) * node_law(p, q, draws, "sampled")
+    vocab, k = 5, 3
+    p = rng.dirichlet(np.ones(vocab) * 0.5)
+    q = np.zeros(vocab)
+    q[rng.permutation(vocab)[:support]] = rng.dirichlet(np.ones(support) * 0.5)
+    fallback = list(rng.permutation(vocab))
+    draws = distinct_draws(q, k, fallback)
+    self.assertAlmostEqual(sum(w for _, w in draws), 1.0)
+    law = sum(w * node_law(p, q, kids, "sampled") for kids, w in draws)
     np.testing.assert_allclose(law, p, atol=1e-6)
+    if support > 1:
+      iid = sum(w * node_law(p, q, kids, "iid") for kids, w in draws)
+      self.assertGreater(np.abs(iid - p).sum(), 1e-3)
 
   @parameterized.parameters(range(4))
   def test_topk_children_give_p_and_the_wrong_rule_does_not(self, seed):
@@ -78,9 +113,9 @@ class NodeRuleTest(parameterized.TestCase):
       draft_keys = jax.random.split(jax.random.PRNGKey(2), rows)
       if deterministic:
         kids = jnp.broadcast_to(jnp.asarray(np.argsort(-q)[:3], jnp.int32), (rows, 3))
-      else:
-        kids = jax.vmap(lambda k: jax.random.categorical(k, jnp.log(jnp.asarray(q)), shape=(3,)))(
-            draft_keys).astype(jnp.int32)
+      else:  # the drafter's own draws without replacement
+        kids = jax.vmap(lambda k: trees.sample_distinct(
+            k, jnp.asarray(q, jnp.float32), jnp.zeros(vocab), 3))(draft_keys)
       ps = jnp.broadcast_to(jnp.asarray(p, jnp.float32), (rows, 4, vocab))
       qs = jnp.broadcast_to(jnp.asarray(q, jnp.float32), (rows, 3, vocab))
       a, nxt, _, path = jax.jit(trees.walk_batch, static_argnums=(4, 5))(
@@ -150,7 +185,7 @@ class GreedyTest(parameterized.TestCase):
       self.assertEqual(out, greedy_oracle(target, prompt, 12))
 
 
-class T0ChildrenTest(parameterized.TestCase):
+class ChildrenTest(parameterized.TestCase):
 
   def test_probabilistic_children_at_T0_are_the_distinct_top_k(self):
     """k draws from a point mass would be k copies: at T = 0 the sampled mode takes the
@@ -170,6 +205,31 @@ class T0ChildrenTest(parameterized.TestCase):
     np.testing.assert_array_equal(out["probabilistic"], out["greedy"])
     for row in out["probabilistic"]:
       self.assertLen(set(row[:3].tolist()), 3)
+
+  def test_sampled_children_are_distinct_and_T0_rows_keep_the_top_k(self):
+    """At T > 0 a node's children are draws without replacement: never two alike (i.i.d.
+    draws from this sharp draft repeat). T = 0 rows in the same batch still get the top-k."""
+    target = tiny_model(vocab=16, n_layers=2, seed=3, sharpness=1.5)
+    draft = tiny_model(vocab=16, d_model=16, seed=8, sharpness=1.5)
+    prompts = PROMPTS * 4
+    temps = [0.0 if i % 4 == 0 else 1.0 for i in range(len(prompts))]
+    out = {}
+    for mode, t in (("probabilistic", temps), ("greedy", [0.0] * len(prompts))):
+      prep = generation.prepare(target, prompts, max_new_tokens=4, temperature=t, top_k=0,
+                                top_p=1.0, eos_id=None, draft=draft, tree=(3, 2),
+                                draft_sample=mode)
+      state = jax.jit(prep.prefill)(jax.random.PRNGKey(0))
+      ys, _, _ = jax.jit(prep.engine.drafter.propose)(
+          prep.weights.draft, state.draft_state, state.tokens, state.n, jax.random.PRNGKey(1),
+          prep.sampling)
+      out[mode] = np.asarray(ys)
+    tree = prep.engine.drafter.tree
+    for row in out["probabilistic"]:
+      for kids in tree.children:
+        kids = kids[kids >= 0]
+        self.assertLen(set(row[kids].tolist()), len(kids), row)
+    t0 = np.asarray(temps) == 0.0
+    np.testing.assert_array_equal(out["probabilistic"][t0], out["greedy"][t0])
 
 
 class CharTokenizer:
