@@ -59,6 +59,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.corpus = "stdlib"  # where prompts come from: 'stdlib', a directory or a text file
   c.stop_at_eos = False  # off: every row decodes max_new_tokens, so rows compare evenly
   c.timing_pairs = 3  # speculative and target-only passes over the prompts, alternately
+  c.cost_rounds = 5  # rounds of the c / v(γ) timing loops (medians of per-round ratios)
   c.seed = 0
 
   variant = (arg or "").strip()
@@ -69,6 +70,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.prompt_tokens = 16
     c.max_new_tokens = 8
     c.timing_pairs = 1
+    c.cost_rounds = 2
     c.trees = ((2, 1),)
   elif variant == "full":
     c.gamma = (1, 2, 3, 4, 5, 6, 8, 10, 12)

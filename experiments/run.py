@@ -86,7 +86,7 @@ def validate(cfg) -> None:
   for b in cfg.batch_size:
     if not isinstance(b, int) or b < 1:
       fail("batch_size", "batch sizes must be ints >= 1")
-  for field in ("num_prompts", "prompt_tokens", "max_new_tokens", "timing_pairs"):
+  for field in ("num_prompts", "prompt_tokens", "max_new_tokens", "timing_pairs", "cost_rounds"):
     if not isinstance(cfg[field], int) or cfg[field] < 1:
       fail(field, "must be an int >= 1")
   if not isinstance(cfg.top_k, int) or cfg.top_k < 0:
@@ -189,8 +189,8 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
     if ckey not in step_costs:
       step_costs[ckey] = common.step_costs(
           target, drafter_model, point["drafter"], point["gamma"], point["batch_size"], context,
-          (cfg.ngram_min, cfg.ngram_max), cfg.draft_sample, temperature=point["temperature"],
-          tree=tree)
+          (cfg.ngram_min, cfg.ngram_max), cfg.draft_sample, repeats=cfg.cost_rounds,
+          temperature=point["temperature"], tree=tree)
     if point["gamma_policy"] == "ledger":  # this point's measured c and v
       methods["draft_cost"] = step_costs[ckey]["c"] / step_costs[ckey]["v"]
     if point["gamma_policy"] == "confidence":

@@ -92,6 +92,7 @@ def test_rerun_skips_done_points(smoke):
     ("eagle_head", "", "config.eagle_head"),
     ("gamma_policy", ("adaptive",), "config.gamma_policy"),
     ("verify_rule", ("synthetic",), "config.verify_rule"),
+    ("cost_rounds", 0, "config.cost_rounds"),
 ])
 def test_bad_config_fails_at_once(tmp_path, field, value, message):
   cfg = sweep_config.get_config("smoke")
