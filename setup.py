@@ -22,7 +22,7 @@ setup(
         "tqdm>=4.66",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-xdist>=3.5", "nbformat>=5.9", "nbclient>=0.10", "ipykernel>=6.29"],
+        "test": ["pytest>=8", "pytest-xdist>=3.6", "nbformat>=5.9", "nbclient>=0.10", "ipykernel>=6.29"],
         "hf": ["torch==2.13.0", "transformers>=5.0", "safetensors>=0.8",
                "huggingface-hub>=0.26"],
     },
