@@ -152,10 +152,15 @@ def sample_distinct(key, q, logits, k):
   sample without replacement from q. Once q's support is used up, the rest are the
   best remaining `logits`, fixed tokens that the walk judges with the point-mass rule.
   """
+  inside = q > 0
   noise = jax.random.gumbel(key, q.shape, jnp.float32)
-  score = jnp.where(q > 0, jnp.log(jnp.where(q > 0, q, 1.0)) + noise,
-                    -1e4 + jnp.clip(logits, -1e3, 1e3))
-  return jax.lax.top_k(score, k)[1].astype(jnp.int32)
+  drawn = jax.lax.top_k(jnp.where(inside, jnp.log(jnp.where(inside, q, 1.0)) + noise,
+                                  -jnp.inf), k)[1]
+  rest = jax.lax.top_k(jnp.where(inside, -jnp.inf, logits.astype(jnp.float32)), k)[1]
+  j = jnp.arange(k)
+  support = jnp.sum(inside, axis=-1, keepdims=True)  # the first `support` picks are draws
+  fill = jnp.take_along_axis(rest, jnp.clip(j - support, 0, k - 1), axis=-1)
+  return jnp.where(j < support, drawn, fill).astype(jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,7 +321,9 @@ def walk(key, node_tokens, node_q, ps, tree: Tree, deterministic: bool):
   """One row: (n_accepted, next_token, overlap[depth], path int32[depth] (-1 past a)).
 
   ps [N+1, V]: the target's distribution at the root (row 0) and at node i (row i+1).
-  node_q [N, V]: the q node i was drawn from (its parent's draft distribution).
+  node_q [N, V]: its parent's draft distribution q; sampled siblings were drawn from it
+  without replacement in sibling order (`sample_distinct`); the walk takes each tried
+  sibling out of q before judging the next.
   """
   children = jnp.asarray(tree.children)
   depth = tree.depth
@@ -344,8 +351,8 @@ def walk(key, node_tokens, node_q, ps, tree: Tree, deterministic: bool):
         accept, rejected = u < dist[x], point_rejected
       else:
         mass = jnp.sum(left)
-        q = left / jnp.maximum(mass, 1e-30)  # x was drawn from q (without replacement)
         drawn = mass > 0  # else q's support is used up: x is a fixed token
+        q = left / jnp.where(drawn, mass, 1.0)  # x was drawn from q (without replacement)
         accept = jnp.where(drawn, u * q[x] < dist[x], u < dist[x])
         rejected = jnp.where(drawn, residual(dist, q), point_rejected)
         left = jnp.where(trying, left.at[x].set(0.0), left)

@@ -14,7 +14,6 @@ from specjax import generation
 from specjax.models import kv_cache
 from specjax.models import model as model_lib
 from specjax import trees
-from specjax.verify.exact import residual
 from conftest import (PROMPTS, exact_continuations, greedy_oracle, target_and_draft, tempered,
                       tiny_model)
 from test_processors import EOS, PROMPT as PROC_PROMPT, exact_law, law_check
@@ -41,7 +40,8 @@ def node_law(p, q, children, rule):
       a = min(1.0, dist[x] / qx[x]) if qx[x] > 0 else 1.0
       out[x] += reach * a
       reach *= 1 - a
-      dist = np.asarray(residual(jnp.asarray(dist), jnp.asarray(qx)), np.float64)
+      r = np.maximum(dist - qx, 0.0)  # the residual, in float64
+      dist = r / r.sum() if r.sum() > 0 else dist
       left = left * (1 - np.eye(len(p))[x])
     else:
       onehot = np.eye(len(p))[x]
@@ -89,7 +89,7 @@ class NodeRuleTest(parameterized.TestCase):
     self.assertAlmostEqual(sum(w for _, w in draws), 1.0)
     law = sum(w * node_law(p, q, kids, "sampled") for kids, w in draws)
     np.testing.assert_allclose(law, p, atol=1e-6)
-    if support > 1:
+    if support >= k:  # all children drawn: only the update of q tells the rules apart
       iid = sum(w * node_law(p, q, kids, "iid") for kids, w in draws)
       self.assertGreater(np.abs(iid - p).sum(), 1e-3)
 
@@ -103,28 +103,36 @@ class NodeRuleTest(parameterized.TestCase):
     self.assertGreater(np.abs(wrong - p).sum(), 1e-2)
 
   def test_walk_samples_the_law(self):
-    """The jitted walk at one node (children are leaves) emits p: Monte Carlo bound."""
+    """The jitted walk at one node (3 children, leaves) emits p: Monte Carlo bound. Sampled
+    children come from the drafter's own draws without replacement, from a q of full
+    support, of support 2 (the third child is a fixed token), and with a tail of 1e-32
+    (the walk must renormalise it exactly); top-k children are point masses."""
     tree = trees.Tree.from_branching((3,))
     rng = np.random.default_rng(7)
     vocab, rows = 5, 40000
     p, q = rng.dirichlet(np.ones(vocab)), rng.dirichlet(np.ones(vocab))
-    for deterministic in (False, True):
+    cases = [("topk", q), ("full", q), ("support_2", np.array([0.0, 0.7, 0.0, 0.3, 0.0])),
+             ("tiny_tail", np.array([1.0, 1e-32, 0.0, 0.0, 0.0]))]
+    walk = jax.jit(trees.walk_batch, static_argnums=(4, 5))
+    for name, q in cases:
       keys = jax.random.split(jax.random.PRNGKey(1), rows)
       draft_keys = jax.random.split(jax.random.PRNGKey(2), rows)
-      if deterministic:
+      qf = jnp.asarray(q, jnp.float32)
+      if name == "topk":
         kids = jnp.broadcast_to(jnp.asarray(np.argsort(-q)[:3], jnp.int32), (rows, 3))
-      else:  # the drafter's own draws without replacement
+      else:  # past the support: the best of these logits
         kids = jax.vmap(lambda k: trees.sample_distinct(
-            k, jnp.asarray(q, jnp.float32), jnp.zeros(vocab), 3))(draft_keys)
+            k, qf, -jnp.arange(vocab, dtype=jnp.float32), 3))(draft_keys)
+        self.assertTrue(np.all(np.sort(np.asarray(kids), 1)[:, 1:]
+                               != np.sort(np.asarray(kids), 1)[:, :-1]), name)  # distinct
       ps = jnp.broadcast_to(jnp.asarray(p, jnp.float32), (rows, 4, vocab))
-      qs = jnp.broadcast_to(jnp.asarray(q, jnp.float32), (rows, 3, vocab))
-      a, nxt, _, path = jax.jit(trees.walk_batch, static_argnums=(4, 5))(
-          keys, kids, qs, ps, tree, deterministic)
+      qs = jnp.broadcast_to(qf, (rows, 3, vocab))
+      a, nxt, _, path = walk(keys, kids, qs, ps, tree, name == "topk")
       first = np.where(np.asarray(a) > 0, np.take_along_axis(
           np.asarray(kids), np.maximum(np.asarray(path), 0), 1)[:, 0], np.asarray(nxt))
       freq = np.bincount(first, minlength=vocab) / rows
       bound = 5 * np.sqrt(p * (1 - p) / rows) + 1e-3
-      self.assertTrue(np.all(np.abs(freq - p) <= bound), (deterministic, freq, p))
+      self.assertTrue(np.all(np.abs(freq - p) <= bound), (name, freq, p))
 
 
 class LawTest(parameterized.TestCase):
