@@ -92,7 +92,7 @@ def merge_stats(stats: list[dict]) -> dict:
   counts = {}
   for key in generation.COUNTERS:
     values = [s[key] for s in stats]
-    counts[key] = ([int(x) for x in np.sum(values, axis=0)] if isinstance(values[0], list)
+    counts[key] = (np.sum(values, axis=0).tolist() if isinstance(values[0], list)
                    else sum(values))
   return dict(gamma=stats[0]["gamma"], lossless=all(s.get("lossless", True) for s in stats),
               **generation.with_rates(counts))

@@ -219,7 +219,8 @@ def make_row(point, timing, sc, machine) -> dict:
   drafted = stats["drafted"] / stats["rounds"] if stats["rounds"] and not tree else gamma
   if tree:
     parents = generation.make_tree(tree, None).parents
-    expected = ledger.tree_expected_tokens(parents, alpha)
+    # α̂ by sibling rank: a later sibling is tried against what p has left.
+    expected = ledger.tree_expected_tokens(parents, stats.get("alpha_by_sibling") or alpha)
   else:
     expected = float(ledger.expected_tokens(alpha, drafted))
   predicted = expected / (drafted * sc["c"] + sc["v"])
@@ -234,6 +235,8 @@ def make_row(point, timing, sc, machine) -> dict:
       tokens_per_target_call=stats["tokens_per_target_call"],
       expected_tokens=expected,
       acceptance_by_position=stats["acceptance_by_position"],
+      acceptance_by_sibling=stats["acceptance_by_sibling"],
+      alpha_by_sibling=stats["alpha_by_sibling"],
       committed_hist=stats["committed_hist"],
       seconds=timing["method"]["seconds"], tokens_per_s=timing["method"]["tokens_per_s"],
       target_only_tokens_per_s=timing["baseline"]["tokens_per_s"],

@@ -73,13 +73,20 @@ class Stats:
   committed_hist: jax.Array  # int32[B, γ+2] histogram of tokens committed per round
   overlap_sum: jax.Array  # float32[B] Σ over verified positions of Σ_x min(p, q)
   overlap_count: jax.Array  # int32[B] verified positions
+  # Per sibling rank r (a chain is a tree with one child per node: K = 1): times a child
+  # of rank r was tried by the verify rule, accepted, and Σ of its acceptance probability.
+  sibling_tried: jax.Array  # int32[B, K]
+  sibling_accepted: jax.Array  # int32[B, K]
+  sibling_chance: jax.Array  # float32[B, K]
 
   @classmethod
-  def zeros(cls, batch: int, gamma: int) -> "Stats":
+  def zeros(cls, batch: int, gamma: int, siblings: int = 1) -> "Stats":
     zi = lambda *s: jnp.zeros((batch,) + s, jnp.int32)
     return cls(rounds=zi(), drafted=zi(), accepted=zi(), committed=zi(),
                accepted_at=zi(gamma), verified_at=zi(gamma), committed_hist=zi(gamma + 2),
-               overlap_sum=jnp.zeros((batch,), jnp.float32), overlap_count=zi())
+               overlap_sum=jnp.zeros((batch,), jnp.float32), overlap_count=zi(),
+               sibling_tried=zi(siblings), sibling_accepted=zi(siblings),
+               sibling_chance=jnp.zeros((batch, siblings), jnp.float32))
 
 
 @flax.struct.dataclass
@@ -145,14 +152,21 @@ def commit_count(n_accepted, room, hits, done):
   return count, stopped | (count >= room)
 
 
-def update_stats(s: Stats, live, n_accepted, count, overlap, lengths=None) -> Stats:
+def update_stats(s: Stats, live, n_accepted, count, overlap, lengths=None,
+                 siblings=None) -> Stats:
   """Adds one round. lengths: int32[B] tokens each row drafted (None: γ, a fixed chain);
-  positions past a row's length were neither drafted nor verified."""
+  positions past a row's length were neither drafted nor verified. siblings: a tree
+  round's (tried, accepted, chance) [B, K] by sibling rank (`trees.walk`); None for a
+  chain, whose one child per node was tried at every verified position."""
   gamma = s.accepted_at.shape[1]
   li = live.astype(jnp.int32)
   lengths = jnp.full_like(n_accepted, gamma) if lengths is None else lengths
   verified = jnp.minimum(n_accepted + 1, lengths)  # positions whose draft token was checked
   pos = jnp.arange(gamma)[None, :]
+  seen = jnp.where(pos < verified[:, None], overlap, 0.0)
+  if siblings is None:
+    siblings = verified[:, None], n_accepted[:, None], jnp.sum(seen, axis=1, keepdims=True)
+  tried, took, chance = siblings
   return Stats(
       rounds=s.rounds + li,
       drafted=s.drafted + lengths * li,
@@ -162,9 +176,11 @@ def update_stats(s: Stats, live, n_accepted, count, overlap, lengths=None) -> St
       verified_at=s.verified_at + (pos < verified[:, None]) * li[:, None],
       committed_hist=s.committed_hist
       + jax.nn.one_hot(count, gamma + 2, dtype=jnp.int32) * li[:, None],
-      overlap_sum=s.overlap_sum + li * jnp.sum(jnp.where(pos < verified[:, None], overlap, 0.0),
-                                               axis=1),
+      overlap_sum=s.overlap_sum + li * jnp.sum(seen, axis=1),
       overlap_count=s.overlap_count + verified * li,
+      sibling_tried=s.sibling_tried + tried * li[:, None],
+      sibling_accepted=s.sibling_accepted + took * li[:, None],
+      sibling_chance=s.sibling_chance + chance * li[:, None],
   )
 
 
@@ -225,11 +241,12 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
     ps = jax.vmap(sampling.process, in_axes=(1, 1), out_axes=1)(logits, prefixes)
   # 3. Verify rule, one row at a time.
   row_keys = jax.vmap(jax.random.fold_in, (None, 0))(verify_key, jnp.arange(ys.shape[0]))
+  siblings = None
   if tree is None:
     n_accepted, next_token, overlap = engine.rule(row_keys, ys, qs, ps)
     n_accepted, next_token = policy.settle(n_accepted, next_token, ps, lengths, verify_key)
   else:  # walk down from the root; ys becomes the accepted path's tokens
-    n_accepted, next_token, overlap, path = trees.walk_batch(
+    n_accepted, next_token, overlap, path, siblings = trees.walk_batch(
         row_keys, ys, qs, ps, tree, drafter.sample_mode == "greedy")
     ys = jnp.take_along_axis(ys, jnp.maximum(path, 0), axis=1)
   # 4. Commit y_1..y_a and the correction/bonus token (at index a).
@@ -260,7 +277,8 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
       target_kv=target_kv.rollback(n - 1),
       draft_state=draft_state,
       key=key, target_calls=state.target_calls + 1,
-      stats=update_stats(state.stats, ~state.done, n_accepted, count, overlap, lengths),
+      stats=update_stats(state.stats, ~state.done, n_accepted, count, overlap, lengths,
+                         siblings),
       **policy.carry(state, lengths, n_accepted, steps, drafter.gamma))
 
 
@@ -278,7 +296,7 @@ def prefill(engine: Engine, weights: Weights, tokens, prompt_len, prompt_width, 
       tokens=tokens, n=prompt_len, prompt_len=prompt_len,
       done=jnp.zeros((batch,), bool), target_kv=target_kv.rollback(prompt_len - 1),
       draft_state=draft_state, key=key, target_calls=jnp.zeros((), jnp.int32),
-      stats=Stats.zeros(batch, engine.gamma),
+      stats=Stats.zeros(batch, engine.gamma, trees.siblings(engine.drafter)),
       history=processors.init_history(sampling.pcfg, sampling.procs, tokens, prompt_len,
                                       prompt_len, engine.target.vocab_size)
       if sampling.has_processors else None,

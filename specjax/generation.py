@@ -175,7 +175,7 @@ def make_policy(kind, confidence, draft_cost, drafter) -> policies.GammaPolicy:
 
 COUNTERS = ("rows", "rounds", "target_calls", "drafted", "accepted", "committed",
             "overlap_sum", "overlap_count", "accepted_at", "verified_at", "committed_hist",
-            "draft_steps")
+            "draft_steps", "sibling_tried", "sibling_accepted", "sibling_chance")
 
 
 def with_rates(counts: dict[str, Any]) -> dict[str, Any]:
@@ -194,6 +194,12 @@ def with_rates(counts: dict[str, Any]) -> dict[str, Any]:
       tokens_per_target_call=committed / rounds if rounds else nan,
       # P(position i accepted | the round reached it)
       acceptance_by_position=[a / r if r else nan for a, r in zip(accepted_at, verified_at)],
+      # Per sibling rank r (tried only once every earlier sibling was rejected): how
+      # often a try was accepted, and α̂ (its mean acceptance probability). A chain: K = 1.
+      acceptance_by_sibling=[a / t if t else nan for a, t in zip(
+          counts.get("sibling_accepted", ()), counts.get("sibling_tried", ()))],
+      alpha_by_sibling=[c / t if t else nan for c, t in zip(
+          counts.get("sibling_chance", ()), counts.get("sibling_tried", ()))],
   )
 
 
@@ -205,6 +211,9 @@ def summarize_stats(state: decode_lib.DecodeState, gamma: int) -> dict[str, Any]
                 overlap_sum=float(np.sum(s.overlap_sum)),
                 accepted_at=[int(x) for x in np.sum(s.accepted_at, axis=0)],
                 verified_at=[int(x) for x in np.sum(s.verified_at, axis=0)],
+                sibling_tried=[int(x) for x in np.sum(s.sibling_tried, axis=0)],
+                sibling_accepted=[int(x) for x in np.sum(s.sibling_accepted, axis=0)],
+                sibling_chance=[float(x) for x in np.sum(s.sibling_chance, axis=0)],
                 # Draft steps run (an adaptive loop may stop early); fixed: γ per round.
                 draft_steps=int(state.draft_steps) if state.draft_steps is not None
                 else gamma * int(state.target_calls),

@@ -78,16 +78,25 @@ def fit_verify_cost(gammas: Sequence[int], costs: Sequence[float]) -> Callable[[
 def tree_expected_tokens(parents, alpha):
   """Mean tokens per target call for a token tree (parents listed breadth-first, -1 = root).
 
-  Each try of a child is accepted with probability α (given that every earlier sibling
-  was rejected), so a node's value is Σ_r (1-α)^r α (1 + value(child r)), and a call
-  commits 1 + value(root) tokens. A chain gives E(α, γ).
+  alpha: the probability that a try of a child is accepted, given that every earlier
+  sibling was rejected — one number for every rank, or a sequence by sibling rank (the
+  measured `alpha_by_sibling` of a tree run; ranks past its end take its last value, a
+  rank never tried (NaN) counts as 0). A node's value is Σ_r Π_{s<r} (1 - α_s) · α_r ·
+  (1 + value(child r)), and a call commits 1 + value(root) tokens. A chain gives E(α, γ).
+  With one α for every rank this is generous: a later sibling is tried against what p
+  has left after the earlier ones, which it matches less often.
   """
+  rates = np.nan_to_num(np.atleast_1d(np.asarray(alpha, np.float64)), nan=0.0)
   children = {}
   for i, p in enumerate(parents):
     children.setdefault(p, []).append(i)
 
   def value(node):
-    return sum((1 - alpha) ** r * alpha * (1 + value(c))
-               for r, c in enumerate(children.get(node, [])))
+    out, reach = 0.0, 1.0
+    for r, c in enumerate(children.get(node, [])):
+      a = rates[min(r, len(rates) - 1)]
+      out += reach * a * (1 + value(c))
+      reach *= 1 - a
+    return out
 
   return 1.0 + value(-1)

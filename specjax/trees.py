@@ -318,7 +318,14 @@ def compact(kv: kv_cache.KVState, src, dst_start, count) -> kv_cache.KVState:
 
 
 def walk(key, node_tokens, node_q, ps, tree: Tree, deterministic: bool):
-  """One row: (n_accepted, next_token, overlap[depth], path int32[depth] (-1 past a)).
+  """One row: (n_accepted, next_token, overlap[depth], path int32[depth] (-1 past a),
+  by_rank).
+
+  by_rank: (tried int32[K], accepted int32[K], chance float32[K]) per sibling rank r (K
+  the widest node's number of children): how often a child of rank r was tried, how often
+  accepted, and the sum over those tries of its acceptance probability given the walk so
+  far (Σ_x min(p, q_r) for a child drawn from q_r; p(x) for a fixed token x): the tree's
+  α̂ by rank, which `ledger.tree_expected_tokens` takes.
 
   ps [N+1, V]: the target's distribution at the root (row 0) and at node i (row i+1).
   node_q [N, V]: its parent's draft distribution q; sampled siblings were drawn from it
@@ -334,6 +341,10 @@ def walk(key, node_tokens, node_q, ps, tree: Tree, deterministic: bool):
   path = jnp.full((depth,), -1, jnp.int32)
   overlap = jnp.zeros((depth,), jnp.float32)
   n_accepted = jnp.int32(0)
+  width = children.shape[1]
+  tried = jnp.zeros((width,), jnp.int32)
+  taken = jnp.zeros((width,), jnp.int32)
+  chance = jnp.zeros((width,), jnp.float32)
   for j in range(depth):
     found = jnp.int32(-1)
     first = children[cur, 0]
@@ -348,14 +359,18 @@ def walk(key, node_tokens, node_q, ps, tree: Tree, deterministic: bool):
       dropped = dist.at[x].set(0.0)
       point_rejected = dropped / jnp.maximum(jnp.sum(dropped), 1e-30)
       if deterministic:
-        accept, rejected = u < dist[x], point_rejected
+        accept, rejected, odds = u < dist[x], point_rejected, dist[x]
       else:
         mass = jnp.sum(left)
         drawn = mass > 0  # else q's support is used up: x is a fixed token
         q = left / jnp.where(drawn, mass, 1.0)  # x was drawn from q (without replacement)
         accept = jnp.where(drawn, u * q[x] < dist[x], u < dist[x])
         rejected = jnp.where(drawn, residual(dist, q), point_rejected)
+        odds = jnp.where(drawn, jnp.sum(jnp.minimum(dist, q)), dist[x])
         left = jnp.where(trying, left.at[x].set(0.0), left)
+      tried = tried.at[r].add(trying.astype(jnp.int32))
+      taken = taken.at[r].add((trying & accept).astype(jnp.int32))
+      chance = chance.at[r].add(jnp.where(trying, odds, 0.0))
       found = jnp.where(trying & accept, c, found)
       dist = jnp.where(trying & ~accept, rejected, dist)
     moved = alive & (found >= 0)
@@ -365,10 +380,17 @@ def walk(key, node_tokens, node_q, ps, tree: Tree, deterministic: bool):
     dist = jnp.where(moved, ps[jnp.where(moved, found + 1, 0)], dist)
     alive = moved & (children[cur, 0] >= 0)  # a leaf ends the walk with a bonus
   next_token = sample(keys[-1], dist)
-  return n_accepted, next_token, overlap, path
+  return n_accepted, next_token, overlap, path, (tried, taken, chance)
 
 
 walk_batch = jax.vmap(walk, in_axes=(0, 0, 0, 0, None, None))
+
+
+
+def siblings(drafter) -> int:
+  """K of the drafter's tree (its widest node's number of children); 1 for a chain."""
+  tree = getattr(drafter, "tree", None)
+  return 1 if tree is None else int(tree.children.shape[1])
 
 
 def verify_layout(tree: Tree, n):

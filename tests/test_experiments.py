@@ -13,7 +13,8 @@ FIELDS = {"drafter", "gamma", "temperature", "top_p", "batch_size", "rows", "rou
           "target_calls", "drafted", "accepted", "committed", "acceptance_rate", "alpha_hat",
           "tokens_per_target_call", "speedup_min", "speedup_max", "expected_tokens", "tokens_per_s",
           "target_only_tokens_per_s", "speedup", "c", "v", "predicted_speedup",
-          "acceptance_by_position", "committed_hist"}
+          "acceptance_by_position", "committed_hist", "acceptance_by_sibling",
+          "alpha_by_sibling"}
 
 
 @pytest.fixture(scope="module")

@@ -51,3 +51,10 @@ def test_tree_expected_tokens():
   assert ledger.tree_expected_tokens(wide.parents, 0.6) > ledger.expected_tokens(0.6, 4)
   # depth 1, two children: 1 + α + (1-α)α
   np.testing.assert_allclose(ledger.tree_expected_tokens((-1, -1), 0.5), 1.75)
+  # α by sibling rank: 1 + α_0 + (1-α_0)α_1; past the end the last rate; NaN (never tried) 0
+  np.testing.assert_allclose(ledger.tree_expected_tokens((-1, -1), [0.5, 0.2]), 1.6)
+  np.testing.assert_allclose(ledger.tree_expected_tokens((-1, -1, -1), [0.5, 0.2]),
+                             1 + 0.5 + 0.5 * 0.2 + 0.5 * 0.8 * 0.2)
+  np.testing.assert_allclose(ledger.tree_expected_tokens((-1, -1), [0.5, float("nan")]), 1.5)
+  np.testing.assert_allclose(ledger.tree_expected_tokens(wide.parents, [0.6]),
+                             ledger.tree_expected_tokens(wide.parents, 0.6))

@@ -182,6 +182,11 @@ class StopTest(parameterized.TestCase):
     self.assertEqual(s["accepted_at"][0], round(s["acceptance_by_position"][0] * s["rounds"]))
     self.assertTrue(all(a >= b for a, b in zip(s["accepted_at"], s["accepted_at"][1:])))
     self.assertTrue(0.0 < s["alpha_hat"] < 1.0)
+    # A chain is a tree with one child per node: one sibling rank, tried at every
+    # verified position, with the chain's own α̂.
+    self.assertEqual(s["sibling_tried"], [sum(s["verified_at"])])
+    self.assertEqual(s["sibling_accepted"], [s["accepted"]])
+    self.assertAlmostEqual(s["alpha_by_sibling"][0], s["alpha_hat"], places=5)
 
 
 class DeterminismTest(parameterized.TestCase):

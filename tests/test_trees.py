@@ -127,7 +127,14 @@ class NodeRuleTest(parameterized.TestCase):
                                != np.sort(np.asarray(kids), 1)[:, :-1]), name)  # distinct
       ps = jnp.broadcast_to(jnp.asarray(p, jnp.float32), (rows, 4, vocab))
       qs = jnp.broadcast_to(qf, (rows, 3, vocab))
-      a, nxt, _, path = walk(keys, kids, qs, ps, tree, name == "topk")
+      a, nxt, _, path, (tried, taken, chance) = walk(keys, kids, qs, ps, tree, name == "topk")
+      tried, taken, chance = (np.asarray(x).sum(0) for x in (tried, taken, chance))
+      # Every row tries rank 0; rank r+1 exactly when rank r was tried and rejected; the
+      # accepted tries match the summed acceptance probabilities within 5 sd.
+      np.testing.assert_array_equal(tried, [rows, rows - taken[0], rows - taken[:2].sum()])
+      self.assertEqual(taken.sum(), int(np.sum(np.asarray(a))))
+      self.assertTrue(np.all(np.abs(taken - chance) <= 5 * np.sqrt(chance) + 1), (name, taken,
+                                                                                  chance))
       first = np.where(np.asarray(a) > 0, np.take_along_axis(
           np.asarray(kids), np.maximum(np.asarray(path), 0), 1)[:, 0], np.asarray(nxt))
       freq = np.bincount(first, minlength=vocab) / rows
@@ -158,6 +165,11 @@ class LawTest(parameterized.TestCase):
     worst = np.max(np.abs(counts - rows * probs) / (sd + 1e-12))
     self.assertTrue(np.all(np.abs(counts - rows * probs) <= 5 * sd + 1), f"worst z={worst}")
     self.assertLess(res.stats["acceptance_rate"], 0.95)  # the draft disagreed
+    s = res.stats  # by sibling rank: accepted tries add up, and match their chances
+    self.assertEqual(sum(s["sibling_accepted"]), s["accepted"])
+    self.assertTrue(all(a >= b for a, b in zip(s["sibling_tried"], s["sibling_tried"][1:])))
+    gap = np.abs(np.subtract(s["sibling_accepted"], s["sibling_chance"]))
+    self.assertTrue(np.all(gap <= 5 * np.sqrt(s["sibling_chance"]) + 1), s)
 
 
 def _top_p_law(model, prompt, conts, top_p):
