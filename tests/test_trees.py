@@ -205,23 +205,27 @@ class GreedyTest(parameterized.TestCase):
       self.assertEqual(out, greedy_oracle(target, prompt, 12))
 
 
+def _tree_proposal(prompts, temperatures, mode, tree=(3, 2)):
+  """One round's tree proposal (node tokens [B, N]) of the sharp tiny pair."""
+  target = tiny_model(vocab=16, n_layers=2, seed=3, sharpness=1.5)
+  draft = tiny_model(vocab=16, d_model=16, seed=8, sharpness=1.5)
+  prep = generation.prepare(target, prompts, max_new_tokens=4, temperature=temperatures,
+                            top_k=0, top_p=1.0, eos_id=None, draft=draft, tree=tree,
+                            draft_sample=mode)
+  state = jax.jit(prep.prefill)(jax.random.PRNGKey(0))
+  ys, _, _ = jax.jit(prep.engine.drafter.propose)(
+      prep.weights.draft, state.draft_state, state.tokens, state.n, jax.random.PRNGKey(1),
+      prep.sampling)
+  return np.asarray(ys), prep.engine.drafter.tree
+
+
 class ChildrenTest(parameterized.TestCase):
 
   def test_probabilistic_children_at_T0_are_the_distinct_top_k(self):
     """k draws from a point mass would be k copies: at T = 0 the sampled mode takes the
     draft's top-k, like the greedy mode (and stays exact: GreedyTest)."""
-    target = tiny_model(vocab=16, n_layers=2, seed=3, sharpness=1.5)
-    draft = tiny_model(vocab=16, d_model=16, seed=8, sharpness=1.5)
-    out = {}
-    for mode in ("probabilistic", "greedy"):
-      prep = generation.prepare(target, PROMPTS, max_new_tokens=4, temperature=[0.0, 0.0, 0.0],
-                                top_k=0, top_p=1.0, eos_id=None, draft=draft, tree=(3, 2),
-                                draft_sample=mode)
-      state = jax.jit(prep.prefill)(jax.random.PRNGKey(0))
-      ys, _, _ = jax.jit(prep.engine.drafter.propose)(
-          prep.weights.draft, state.draft_state, state.tokens, state.n, jax.random.PRNGKey(1),
-          prep.sampling)
-      out[mode] = np.asarray(ys)
+    out = {mode: _tree_proposal(PROMPTS, [0.0] * len(PROMPTS), mode)[0]
+           for mode in ("probabilistic", "greedy")}
     np.testing.assert_array_equal(out["probabilistic"], out["greedy"])
     for row in out["probabilistic"]:
       self.assertLen(set(row[:3].tolist()), 3)
@@ -229,21 +233,10 @@ class ChildrenTest(parameterized.TestCase):
   def test_sampled_children_are_distinct_and_T0_rows_keep_the_top_k(self):
     """At T > 0 a node's children are draws without replacement: never two alike (i.i.d.
     draws from this sharp draft repeat). T = 0 rows in the same batch still get the top-k."""
-    target = tiny_model(vocab=16, n_layers=2, seed=3, sharpness=1.5)
-    draft = tiny_model(vocab=16, d_model=16, seed=8, sharpness=1.5)
     prompts = PROMPTS * 4
     temps = [0.0 if i % 4 == 0 else 1.0 for i in range(len(prompts))]
-    out = {}
-    for mode, t in (("probabilistic", temps), ("greedy", [0.0] * len(prompts))):
-      prep = generation.prepare(target, prompts, max_new_tokens=4, temperature=t, top_k=0,
-                                top_p=1.0, eos_id=None, draft=draft, tree=(3, 2),
-                                draft_sample=mode)
-      state = jax.jit(prep.prefill)(jax.random.PRNGKey(0))
-      ys, _, _ = jax.jit(prep.engine.drafter.propose)(
-          prep.weights.draft, state.draft_state, state.tokens, state.n, jax.random.PRNGKey(1),
-          prep.sampling)
-      out[mode] = np.asarray(ys)
-    tree = prep.engine.drafter.tree
+    out = {"probabilistic": _tree_proposal(prompts, temps, "probabilistic")[0]}
+    out["greedy"], tree = _tree_proposal(prompts, [0.0] * len(prompts), "greedy")
     for row in out["probabilistic"]:
       for kids in tree.children:
         kids = kids[kids >= 0]
