@@ -1,5 +1,7 @@
 """The cached forward is the full forward, however it is fed and rolled back."""
 
+from unittest import mock
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -8,6 +10,7 @@ from absl.testing import parameterized
 
 import specjax
 from specjax.models import kv_cache
+from specjax.models import layers
 from specjax.models import model as model_lib
 from conftest import tiny_model
 
@@ -76,6 +79,24 @@ class CachedForwardTest(parameterized.TestCase):
     logits, _ = model_lib.forward_cached(model.graphdef, model.params, tokens[:, 10:], kv)
     self.assertTrue(bool(jnp.all(jnp.isfinite(logits))))
     chex.assert_trees_all_close(logits, full[:, 10:], atol=2e-5, rtol=2e-5)
+
+  def test_both_forms_of_the_cached_value_sum(self):
+    # On a CPU a 1-token step's weighted sum over cached values is written V-first (the
+    # accelerators' form is the plain product): both must agree, with GQA and stale NaN slots.
+    keys = jax.random.split(jax.random.PRNGKey(5), 5)
+    b, h, kvh, d, s = 2, 4, 2, 8, 10
+    q = jax.random.normal(keys[0], (b, 1, h, d))
+    k, v = (jax.random.normal(keys[i], (b, 1, kvh, d)) for i in (1, 2))
+    length = jnp.array([4, 7])
+    stale = jnp.arange(s)[None, None, :, None] >= length[:, None, None, None]
+    k_buf, v_buf = (jnp.where(stale, jnp.nan, jax.random.normal(keys[i], (b, kvh, s, d)))
+                    for i in (3, 4))
+    outs = []
+    for values_left in (True, False):
+      with mock.patch.object(layers, "CPU_VALUES_LEFT", values_left):
+        outs.append(layers.attend(q, k, v, (k_buf, v_buf, length)))
+    self.assertTrue(bool(jnp.all(jnp.isfinite(outs[0]))))
+    chex.assert_trees_all_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
 
   def test_writes_past_the_buffer_are_dropped(self):
     buf = jnp.zeros((2, 4), jnp.int32)

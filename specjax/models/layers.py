@@ -12,6 +12,10 @@ import numpy as np
 
 from specjax.models.config import ModelConfig
 
+# On a CPU, a 1-token step's attention-weighted sum over the cached values is written with
+# the V cache as the left operand (see `_weighted_cache`). Read when a function is traced.
+CPU_VALUES_LEFT = True
+
 
 def split_fused(x, groups: int, sizes):
   """The parts of a fused projection's output x [..., G * sum(sizes)], each [..., G * size].
@@ -94,5 +98,23 @@ def attend(q, k, v, cache=None, mask=None):
   weights = weights.astype(v.dtype)
   out = jnp.einsum("bkgtu,bukd->btkgd", weights[..., -t:], v)
   if cache is not None:
-    out = out + jnp.einsum("bkgts,bksd->btkgd", weights[..., :-t], v_buf)
+    out = out + _weighted_cache(weights[..., :-t], v_buf)
   return out.reshape(b, t, h * d)
+
+
+def _weighted_cache(weights, v_buf):
+  """Σ_s weights[b, k, g, t, s] · v_buf[b, k, s, :] -> [B, T, KVH, G, D].
+
+  For one new token XLA:CPU emits the plain product as a transposed copy of the masked
+  V cache for every layer and step, then a matrix-vector dot. Written as Vᵀ·w, summed
+  over the slots with V on the left, it reads the cache as it lies: the shipped target's
+  1-token step takes 0.75-0.8x as long (docs/ARCHITECTURE.md, "Why the verify pass costs
+  what it does on a CPU"). A pass of more tokens runs a general multiply either way, and
+  keeps the plain product.
+  """
+  b, k, g, t, s = weights.shape
+  if t > 1 or not CPU_VALUES_LEFT or jax.default_backend() != "cpu":
+    return jnp.einsum("bkgts,bksd->btkgd", weights, v_buf)
+  w = weights.reshape(b, k, g, s).transpose(0, 1, 3, 2)  # [B, KVH, S, G]
+  out = jnp.einsum("bksd,bksg->bkdg", v_buf, w)
+  return out.transpose(0, 1, 3, 2)[:, None]
