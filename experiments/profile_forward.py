@@ -2,7 +2,7 @@ r"""Where the time of a cached forward goes, per op, for T new tokens; and v(γ)
 
   python -m experiments.profile_forward                     # stdlib-target, cache 256
   python -m experiments.profile_forward --tokens=1,2,5,9 --pairs=9 --max_gamma=8
-  python -m experiments.profile_forward --rowwise_max_rows=0   # the engine before #17
+  python -m experiments.profile_forward --rowwise_max_rows=0   # row by row off (projections, attention)
 
 Three tables, each from paired, interleaved timing (the machine is shared: nothing here
 is a ratio of two separate runs; each ratio is the median of per-round ratios, with its
@@ -19,8 +19,8 @@ min and max):
    here than in the whole pass. T = 1 is timed right before every other T.
 3. v(γ) = (γ+1)-token pass / 1-token step for γ = 1..max_gamma, with achieved GFLOP/s,
    each pass paired with a 1-token step; with --compare, also paired with the same pass
-   with row-by-row projections off; and the per-token cost of a long pass (the
-   compute-bound floor of one more verify token).
+   with row by row off (projections and attention); and the per-token cost of a long
+   pass (the compute-bound floor of one more verify token).
 """
 
 from __future__ import annotations
@@ -59,8 +59,9 @@ _ITERS = flags.DEFINE_integer("iters", 64, "Calls per timed loop.")
 _PAIRS = flags.DEFINE_integer("pairs", 7, "Timed rounds after one warm-up round.")
 _TRACE = flags.DEFINE_bool("trace", True, "Print the in-situ per-op table (jax.profiler).")
 _OPS = flags.DEFINE_bool("ops", True, "Print the per-op table of pieces timed alone.")
-_COMPARE = flags.DEFINE_bool("compare", True, "Pair every pass with row-by-row projections "
-                             "off (model.CPU_ROWWISE_MAX_ROWS = 0, the engine before #17).")
+_COMPARE = flags.DEFINE_bool("compare", True, "Pair every pass with row by row off "
+                             "(model.CPU_ROWWISE_MAX_ROWS = 0: projections and attention over "
+                             "the cache take the rows together).")
 _ROWWISE = flags.DEFINE_integer("rowwise_max_rows", None, "Override "
                                 "model.CPU_ROWWISE_MAX_ROWS for everything timed.")
 _FLOOR = flags.DEFINE_integer("floor_tokens", 64, "Also time a pass of this many tokens "
@@ -280,7 +281,7 @@ def main(argv):
         f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
   print(f"{_TARGET.value}: {model.num_params / 1e6:.2f}M params, batch {batch}, cache "
         f"{cache} slots, context {context}; medians of {pairs} interleaved rounds, "
-        f"{iters} calls per timed loop; row-by-row projections for 2.."
+        f"{iters} calls per timed loop; projections and attention row by row for 2.."
         f"{model_lib.CPU_ROWWISE_MAX_ROWS} rows\n")
 
   if _TRACE.value:
@@ -327,7 +328,7 @@ def main(argv):
                 lambda name, t: times[name, 1][ts.index(t) - 1::n])
 
   # v(γ): the 1-token step right before each (γ+1)-token pass, every round; with
-  # --compare, the same pair again with row-by-row projections off (the old engine).
+  # --compare, the same pair again with row by row off.
   gammas = list(range(1, _MAX_GAMMA.value + 1))
   sides = ["now"] + (["off"] if _COMPARE.value else [])
   fwd = {}
@@ -347,7 +348,7 @@ def main(argv):
   for side in sides:
     step = [s for g in gammas for s in one[side, g]]
     t1 = statistics.median(step)
-    label = "" if side == "now" else " (row-by-row projections off)"
+    label = "" if side == "now" else " (row by row off)"
     print(f"1-token step{label}: {t1 * 1e3:.3f} ms (min {min(step) * 1e3:.3f}, max "
           f"{max(step) * 1e3:.3f}), {forward_flops(cfg, 1, context) * batch / t1 / 1e9:.1f} "
           "GFLOP/s")

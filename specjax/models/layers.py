@@ -66,7 +66,7 @@ def rope(x: jax.Array, positions: jax.Array, freqs) -> jax.Array:
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def attend(q, k, v, cache=None, mask=None):
+def attend(q, k, v, cache=None, mask=None, rows_apart=False):
   """Attention of T new queries over the cached keys plus the T new keys.
 
   q: [B, T, H, D]; k, v: [B, T, KVH, D] for the same T tokens; cache: optional
@@ -76,6 +76,9 @@ def attend(q, k, v, cache=None, mask=None):
   mask: None (causal over the chunk, the first `length` slots of the cache) or, for
   token trees, (chunk bool[T, T], slots bool[B, T, S] or None): which new tokens and
   which cache slots each query sees.
+  rows_apart: score and sum the cache for one query row at a time. For a few rows on a
+  CPU each row then gets the 1-token step's kernels instead of a general multiply that
+  packs the cache (`specjax.models.model.rowwise` does the same for the projections).
   """
   b, t, h, d = q.shape
   kvh = k.shape[2]
@@ -92,13 +95,16 @@ def attend(q, k, v, cache=None, mask=None):
     # Invalid slots may hold anything (stale drafts, NaN): zero them so 0 * NaN never
     # reaches the weighted sum.
     v_buf = jnp.where(valid[:, None, :, None], v_buf, 0.0)
-    cached = jnp.einsum("btkgd,bksd->bkgts", qg, k_buf)
+    rows = [qg[:, i:i + 1] for i in range(t)] if rows_apart else [qg]
+    cached = jnp.concatenate([jnp.einsum("btkgd,bksd->bkgts", r, k_buf) for r in rows], axis=3)
     scores.insert(0, jnp.where(seen, cached, -1e30))
   weights = jax.nn.softmax(jnp.concatenate(scores, axis=-1).astype(jnp.float32), axis=-1)
   weights = weights.astype(v.dtype)
   out = jnp.einsum("bkgtu,bukd->btkgd", weights[..., -t:], v)
   if cache is not None:
-    out = out + _weighted_cache(weights[..., :-t], v_buf)
+    w = weights[..., :-t]
+    rows = [w[..., i:i + 1, :] for i in range(t)] if rows_apart else [w]
+    out = out + jnp.concatenate([_weighted_cache(r, v_buf) for r in rows], axis=1)
   return out.reshape(b, t, h * d)
 
 

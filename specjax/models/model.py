@@ -46,7 +46,8 @@ MODEL_AXIS = {
 
 
 # On a CPU, passes of 2..this many rows (batch x tokens) multiply by each weight matrix one
-# row at a time. See `rowwise`.
+# row at a time (`rowwise`) and attend over the cache one query row at a time
+# (`layers.attend`'s rows_apart).
 CPU_ROWWISE_MAX_ROWS = 9
 
 
@@ -65,6 +66,12 @@ def whole_rows(on: bool = True):
     _WHOLE_ROWS.reset(token)
 
 
+def _rows_apart(rows: int) -> bool:
+  """Whether a pass of `rows` rows (batch x tokens) goes one row at a time (at trace time)."""
+  return (1 < rows <= CPU_ROWWISE_MAX_ROWS and jax.default_backend() == "cpu"
+          and not _WHOLE_ROWS.get())
+
+
 def rowwise(fn, x: jax.Array) -> jax.Array:
   """fn(x) for a row-wise fn over x [..., d]; on a CPU a few rows go one at a time.
 
@@ -75,11 +82,10 @@ def rowwise(fn, x: jax.Array) -> jax.Array:
   shipped target this makes a 2..9-token verify pass 0.6-0.8x as long (the 1-token step
   is unchanged); docs/ARCHITECTURE.md, "Why the verify pass costs what it does on a CPU".
   Each row gets the same dot as a 1-token step. Set CPU_ROWWISE_MAX_ROWS = 0 to turn it
-  off (it is read when a function is traced).
+  off, and attention's row by row with it (it is read when a function is traced).
   """
   rows = int(np.prod(x.shape[:-1]))
-  if (not 1 < rows <= CPU_ROWWISE_MAX_ROWS or jax.default_backend() != "cpu"
-      or _WHOLE_ROWS.get()):
+  if not _rows_apart(rows):
     return fn(x)
   flat = x.reshape(rows, 1, x.shape[-1])
   out = jnp.concatenate([fn(flat[i]) for i in range(rows)])
@@ -135,7 +141,8 @@ class Attention(nnx.Module):
       q, k = rope(q, positions, freqs), rope(k, positions, freqs)
     if cache is None:
       return self.out(attend(q, k, v, mask=mask)), None
-    out = attend(q, k, v, cache if read_cache else None, mask)
+    out = attend(q, k, v, cache if read_cache else None, mask,
+                 rows_apart=t > 1 and _rows_apart(b * t))
     k_buf, v_buf, length = cache
     # The write depends on the attention output, so XLA must read the old buffers first
     # and may then update them in place; otherwise it copies both caches every step.
