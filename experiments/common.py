@@ -11,6 +11,7 @@ import specjax
 from specjax import costs
 from specjax.training import data as data_lib
 from specjax import generation
+from specjax.models import heads as heads_lib
 from specjax.models.pretrained import load_pretrained
 
 
@@ -22,6 +23,9 @@ PROCESSORS = dict(repetition_penalty=1.2, presence_penalty=0.3, frequency_penalt
 def load_pair(target_name: str, draft_name: str | None, dtype=jnp.float32):
   target = load_pretrained(target_name, dtype=dtype)
   draft = load_pretrained(draft_name, dtype=dtype) if draft_name else None
+  if isinstance(draft, heads_lib.Head):  # a draft head (stdlib-eagle, stdlib-medusa)
+    draft.check_target(target)
+    return target, draft
   if draft is not None and draft.config.vocab_size < target.config.vocab_size:
     # Same tokenizer, fewer embedding rows (Qwen2.5-0.5B vs 7B): zero rows never win.
     from specjax import hf

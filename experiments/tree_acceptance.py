@@ -2,6 +2,7 @@ r"""Tokens per target call of sampled token trees against the chain: acceptance,
 
   python -m experiments.tree_acceptance                       # T = 1 and 0.7, 3 seeds
   python -m experiments.tree_acceptance --trees='2,2,1,1;4,2,1,1' --temperatures=1.0
+  python -m experiments.tree_acceptance --draft=stdlib-medusa --temperatures=0,1   # Medusa
 
 For each temperature, the chain (γ = the trees' depth) and each tree decode the same
 held-out prompts with `draft_sample='probabilistic'` once per seed; printed: tokens per
@@ -27,7 +28,8 @@ from specjax import generation
 from specjax import ledger
 
 _TARGET = flags.DEFINE_string("target", "stdlib-target", "Target name or directory.")
-_DRAFT = flags.DEFINE_string("draft", "stdlib-draft", "Draft name or directory.")
+_DRAFT = flags.DEFINE_string("draft", "stdlib-draft", "Draft model or Medusa head: name or "
+                             "directory.")
 _TREES = flags.DEFINE_string("trees", "2,2,1,1;4,2,1,1", "Branching factors, ';' between trees.")
 _TEMPERATURES = flags.DEFINE_list("temperatures", ["1.0", "0.7"], "Sampling temperatures.")
 _SEEDS = flags.DEFINE_integer("seeds", 3, "Runs per point, seeds 0..seeds-1.")

@@ -103,7 +103,8 @@ def make_drafter(target: Model, draft: Model | None, drafter: str | None, gamma:
     drafter = draft.kind if is_head else "model"
   if drafter is None:
     if tree is not None:
-      raise ValueError("tree= needs a drafter: draft=<a draft model> or drafter='ngram'")
+      raise ValueError("tree= needs a drafter: draft=<a draft model or a Medusa head> or "
+                       "drafter='ngram'")
     return drafters_lib.NoDrafter(vocab_size=target.config.vocab_size)
   if drafter not in DRAFTERS:
     raise ValueError(f"drafter must be one of {DRAFTERS} (or None), got {drafter!r}")
@@ -112,13 +113,16 @@ def make_drafter(target: Model, draft: Model | None, drafter: str | None, gamma:
       got = f"a {draft.kind} head" if is_head else type(draft).__name__
       raise ValueError(f"drafter={drafter!r} needs draft=<a {drafter} head> (e.g. "
                        f"load_pretrained('stdlib-{drafter}')), got {got}")
-    if tree is not None:
-      raise ValueError(f"tree= needs drafter='model' or 'ngram'; the {drafter} head proposes "
-                       "chains only")
+    if tree is not None and drafter != "medusa":
+      raise ValueError(f"tree= needs drafter='model', 'ngram' or 'medusa'; the {drafter} head "
+                       "proposes chains only")
     if draft_sample not in DRAFT_SAMPLE_MODES:
       raise ValueError(f"draft_sample must be one of {DRAFT_SAMPLE_MODES}, "
                        f"got {draft_sample!r}")
     draft.check_target(target)  # ValueError naming what differs
+    if tree is not None:  # head d drafts every node at depth d
+      tree = make_tree(tree, gamma)
+      return trees.TreeMedusaDrafter(draft.config, tree.depth, draft_sample, tree=tree)
     gamma = checks.int_at_least("gamma (draft length)", 4 if gamma is None else gamma, 1)
     return draft.drafter(gamma, draft_sample)
   if tree is not None:
@@ -358,12 +362,13 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
       this target (`load_pretrained('stdlib-eagle')`, 'stdlib-medusa'; `specjax.models.heads`),
       which drafts from the target's own hidden states.
     gamma: draft tokens proposed per round (default 4; with a tree, its depth).
-    tree: a token tree for the model or n-gram drafter: branching factors (k_1, ..., k_d)
-      (every node at depth j-1 gets k_j children; (1,)*γ is the chain) or Medusa-style
-      paths of child ranks, e.g. [(0,), (1,), (0, 0)]. The target scores every node in
+    tree: a token tree for the model, n-gram or Medusa drafter: branching factors
+      (k_1, ..., k_d) (every node at depth j-1 gets k_j children; (1,)*γ is the chain)
+      or Medusa-style paths of child ranks, e.g. [(0,), (1,), (0, 0)]. The target scores every node in
       one pass and the walk down from the root keeps the output exactly the target's.
       The n-gram drafter's children are the distinct continuations of different earlier
-      matches (best match first).
+      matches (best match first); Medusa head d drafts every node at depth d (the tree's
+      depth at most the head count).
     drafter: 'model', 'ngram' (prompt lookup, no draft model), 'eagle' / 'medusa' (with
       draft=<that head>) or None (infer from draft).
     draft_sample: 'probabilistic' (sample from q) or 'greedy' (argmax, one-hot q).

@@ -22,9 +22,10 @@ draft's soft q (accept with min(1, p/q), residual [p - q]_+) is not exact: they 
 drawn from q, and the float64 test shows the law moving. (With a one-hot q the sampled
 rule is the point-mass rule: [p - onehot(x)]_+ is p with x zeroed.)
 
-Drafters of trees: `TreeModelDrafter` (a draft model, depth by depth with a tree mask)
-and `NgramTreeDrafter` (prompt lookup: distinct continuations of several earlier
-matches, as a trie cut to the tree's shape).
+Drafters of trees: `TreeModelDrafter` (a draft model, depth by depth with a tree mask),
+`NgramTreeDrafter` (prompt lookup: distinct continuations of several earlier matches, as
+a trie cut to the tree's shape) and `TreeMedusaDrafter` (Medusa heads: head d drafts
+every node at depth d, in one head pass).
 """
 
 from __future__ import annotations
@@ -36,8 +37,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.drafters.heads import MedusaDrafter, MedusaState
 from specjax.drafters.model import ModelDrafter
 from specjax.drafters.ngram import NgramDrafter
+from specjax.models import heads as heads_lib
 from specjax.models import kv_cache
 from specjax.models import model as model_lib
 from specjax.processors import history as processors
@@ -163,6 +166,54 @@ def sample_distinct(key, q, logits, k):
   return jnp.where(j < support, drawn, fill).astype(jnp.int32)
 
 
+def children(sample_mode, key, logits, sampling, k, history):
+  """k candidate children per frontier node: logits [B, F, V] -> [B, F, k], q [B, F, V].
+
+  `history` ([B, F, ...] or None): the processors' history of each frontier node's
+  prefix (committed + its root-to-node path), so q is processed like the target's p."""
+  if history is not None:
+    logits = jax.vmap(sampling.adjust, in_axes=(1, 1), out_axes=1)(logits, history)
+  q = sampling.process(logits)
+  top = lambda: jax.lax.top_k(logits, k)[1].astype(jnp.int32)
+  if sample_mode == "greedy":
+    return top(), q
+
+  def draws():  # distinct draws from q (without replacement); T = 0 rows: the top-k
+    return sample_distinct(key, q, logits, k)
+
+  # At T = 0 q is a point mass: its one draw is the argmax and the rest fall back to the
+  # draft's next-best logits, which is the top-k. The walk judges those with the
+  # point-mass rule once q's support is used up, so they stay exact.
+  return jax.lax.cond(jnp.all(sampling.temperature <= 0), top, draws), q
+
+
+def _frontier_history(sampling):
+  """The committed prefix's processor history as a one-node frontier [B, 1, ...]; or None."""
+  if sampling.history is None or not sampling.has_processors:
+    return None
+  return jax.tree_util.tree_map(lambda x: x[:, None], sampling.history)
+
+
+def _level(tree, level, frontier_nodes, sample_mode, key, frontier, sampling, history,
+           node_tokens, node_q):
+  """Draws one level's nodes from their parents' frontier logits; returns the level's
+  tokens [B, count], the nodes, and node_tokens / node_q / history updated."""
+  first, count = tree.levels[level]
+  nodes = list(range(first, first + count))
+  where = [frontier_nodes.index(tree.parents[i]) for i in nodes]  # parent's column
+  width = max(tree.ranks[i] for i in nodes) + 1
+  cands, q = children(sample_mode, key, frontier, sampling, width, history)  # [B, F, width]
+  ys = cands[:, where, [tree.ranks[i] for i in nodes]]  # [B, count]
+  node_tokens = node_tokens.at[:, first:first + count].set(ys)
+  node_q = node_q.at[:, first:first + count].set(q[:, where])
+  if history is not None and level + 1 < len(tree.levels):
+    # each new node: its parent's history + its own token
+    history = processors.advance_each(
+        sampling.pcfg, sampling.procs,
+        jax.tree_util.tree_map(lambda x: x[:, np.asarray(where)], history), ys)
+  return ys, nodes, node_tokens, node_q, history
+
+
 @dataclasses.dataclass(frozen=True)
 class TreeModelDrafter(ModelDrafter):
   """The model drafter, growing a tree depth by depth: one cached pass per depth scores
@@ -171,26 +222,6 @@ class TreeModelDrafter(ModelDrafter):
 
   tree: Tree | None = None
 
-  def _children(self, key, logits, sampling, k, history):
-    """k candidate children per frontier node: logits [B, F, V] -> [B, F, k], q [B, F, V].
-
-    `history` ([B, F, ...] or None): the processors' history of each frontier node's
-    prefix (committed + its root-to-node path), so q is processed like the target's p."""
-    if history is not None:
-      logits = jax.vmap(sampling.adjust, in_axes=(1, 1), out_axes=1)(logits, history)
-    q = sampling.process(logits)
-    top = lambda: jax.lax.top_k(logits, k)[1].astype(jnp.int32)
-    if self.sample_mode == "greedy":
-      return top(), q
-
-    def draws():  # distinct draws from q (without replacement); T = 0 rows: the top-k
-      return sample_distinct(key, q, logits, k)
-
-    # At T = 0 q is a point mass: its one draw is the argmax and the rest fall back to the
-    # draft's next-best logits, which is the top-k. The walk judges those with the
-    # point-mass rule once q's support is used up, so they stay exact.
-    return jax.lax.cond(jnp.all(sampling.temperature <= 0), top, draws), q
-
   def propose(self, params, kv, tokens, n, key, sampling):
     tree = self.tree
     logits, kv = self._catch_up(params, kv, tokens, n)  # kv.length = n: pending has KV
@@ -198,28 +229,19 @@ class TreeModelDrafter(ModelDrafter):
     node_tokens = jnp.zeros((b, tree.num_nodes), jnp.int32)
     node_q = jnp.zeros((b, tree.num_nodes, vocab), jnp.float32)
     frontier, frontier_nodes = logits[:, None], [-1]  # draft logits at the frontier
-    history = None  # the frontier's processor histories, [B, F, ...]
-    if sampling.history is not None and sampling.has_processors:
-      history = jax.tree_util.tree_map(lambda x: x[:, None], sampling.history)
+    history = _frontier_history(sampling)  # the frontier's processor histories, [B, F, ...]
     rel = jnp.arange(kv.size)[None, :] - n[:, None]  # [B, S]: slot - n = node index
     strict = tree.ancestors[1:, 1:] & ~np.eye(tree.num_nodes, dtype=bool)
-    for level, (first, count) in enumerate(tree.levels):
+    for level in range(len(tree.levels)):
       key, sub = jax.random.split(key)
-      nodes = list(range(first, first + count))
-      where = [frontier_nodes.index(tree.parents[i]) for i in nodes]  # parent's column
-      width = max(tree.ranks[i] for i in nodes) + 1
-      cands, q = self._children(sub, frontier, sampling, width, history)  # [B, F, width]
-      ys = cands[:, where, [tree.ranks[i] for i in nodes]]  # [B, count]
-      node_tokens = node_tokens.at[:, first:first + count].set(ys)
-      node_q = node_q.at[:, first:first + count].set(q[:, where])
+      ys, nodes, node_tokens, node_q, history = _level(
+          tree, level, frontier_nodes, self.sample_mode, sub, frontier, sampling, history,
+          node_tokens, node_q)
       if level + 1 == len(tree.levels):
         break
-      if history is not None:  # each new node: its parent's history + its own token
-        history = processors.advance_each(
-            sampling.pcfg, sampling.procs,
-            jax.tree_util.tree_map(lambda x: x[:, np.asarray(where)], history), ys)
       # Feed this level: node i at slot n + i, position n - 1 + depth; it sees the
       # committed history and its own ancestors, never a sibling branch.
+      first, count = tree.levels[level]
       anc = jnp.asarray(strict[nodes])[:, jnp.clip(rel, 0, tree.num_nodes - 1)]  # [c, B, S]
       sees = (rel < 0)[:, None, :] | ((rel < tree.num_nodes)[:, None, :]
                                       & jnp.moveaxis(anc, 0, 1))
@@ -297,6 +319,42 @@ class NgramTreeDrafter(NgramDrafter):
 
   def rollback(self, state, n, features=None, start=None, path=None):
     return state
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeMedusaDrafter(MedusaDrafter):
+  """Medusa heads as a tree: the children of a node at depth d come from head d+1's
+  distribution (head 1 for the root's), processed with that node's path history; drawn
+  without replacement, or the top-k, as for the model's tree. All heads read the same
+  committed feature, so one head pass drafts the whole tree. `gamma` is the depth."""
+
+  tree: Tree | None = None
+
+  def propose(self, params, state, tokens, n, key, sampling):
+    tree = self.tree
+    logits = heads_lib.medusa_apply(self.config, params, state.feature)  # [B, K, V]
+    b, vocab = logits.shape[0], logits.shape[-1]
+    node_tokens = jnp.zeros((b, tree.num_nodes), jnp.int32)
+    node_q = jnp.zeros((b, tree.num_nodes, vocab), jnp.float32)
+    frontier_nodes, history = [-1], _frontier_history(sampling)
+    for level in range(len(tree.levels)):
+      key, sub = jax.random.split(key)
+      frontier = jnp.broadcast_to(logits[:, level, None], (b, len(frontier_nodes), vocab))
+      _, frontier_nodes, node_tokens, node_q, history = _level(
+          tree, level, frontier_nodes, self.sample_mode, sub, frontier, sampling, history,
+          node_tokens, node_q)
+    return node_tokens, node_q, state
+
+  def rollback(self, state, n, features=None, start=None, path=None):
+    """Keeps the feature of the last accepted node (the root's when none was), which
+    predicts the next pending token, as the chain keeps f_{n-2}."""
+    if path is None:  # nothing accepted (cost measurements)
+      return super().rollback(state, n, features, start)
+    accepted = n - 2 - start  # < 0: the row committed nothing this round
+    last = jnp.take_along_axis(path, jnp.clip(accepted - 1, 0, path.shape[1] - 1)[:, None],
+                               axis=1)[:, 0]
+    new = self._take(features, jnp.where(accepted > 0, 1 + last, 0))  # [pending, nodes]
+    return MedusaState(feature=jnp.where((accepted >= 0)[:, None], new, state.feature))
 
 
 def _span(level):

@@ -344,3 +344,60 @@ def test_shipped_head_reproduces_its_card(name):
   tol = 0.005 if sys.version.split()[0] == "3.11.7" else 0.05
   assert abs(rates["alpha_t0"] - card["test_slice_alpha_t0"]) < tol
   assert abs(rates["alpha_t1"] - card["test_slice_alpha_t1"]) < tol
+
+
+# Medusa trees: head d drafts every node at depth d.
+
+@pytest.mark.parametrize("mode", ["greedy", "probabilistic"])
+def test_medusa_tree_equals_target_greedy(target, mode):
+  import specjax
+  head = random_head(target, "medusa")
+  prompts = [TOKENS[0, :7].tolist(), TOKENS[1, :3].tolist()]
+  res = specjax.generate(target, prompts, max_new_tokens=12, draft=head, tree=(3, 2, 1),
+                         draft_sample=mode)
+  assert res.tokens == specjax.generate(target, prompts, max_new_tokens=12).tokens
+  assert res.stats["tokens_per_target_call"] > 1.0  # the tree's drafts were accepted
+  with pytest.raises(ValueError, match="at most that deep"):
+    specjax.generate(target, prompts, max_new_tokens=4, draft=head, tree=(1,) * (GAMMA + 2))
+
+
+def test_medusa_tree_keeps_the_feature_of_the_last_accepted_node(target):
+  """After real tree rounds the head holds f_{n-2} of the committed text, as a head
+  prefilled from scratch on it would (the last accepted node's feature, or the root's)."""
+  from specjax import decode as decode_lib
+  from specjax import generation
+  head = random_head(target, "medusa")
+  prompts = [TOKENS[0, :7].tolist(), TOKENS[1, :5].tolist()]
+  args = generation.prepare(target, prompts, max_new_tokens=16, temperature=1.0, top_k=0,
+                            top_p=1.0, eos_id=None, draft=head, tree=(3, 2, 1))
+  step = jax.jit(lambda s: decode_lib.decode_round(args.engine, args.weights, s, args.sampling))
+  state = args.prefill(jax.random.PRNGKey(3))
+  seen = set()
+  for _ in range(4):
+    before = np.asarray(state.n)
+    state = step(state)
+    n, tokens = np.asarray(state.n), np.asarray(state.tokens)
+    seen |= set((n - before - 1).tolist())  # nodes accepted per row this round
+    fresh = features_of(target, tokens)
+    for b in range(2):
+      np.testing.assert_allclose(state.draft_state.feature[b], fresh[b, n[b] - 2], atol=1e-4)
+  assert 0 in seen and len(seen) > 1  # rounds with none and with some nodes accepted
+
+
+def test_medusa_tree_three_token_law():
+  """Whole continuations of a Medusa tree follow the target's law, its children drawn
+  without replacement from each head's q (the walk's rules are tested in test_trees)."""
+  import specjax
+  from conftest import exact_continuations, target_and_draft
+  small, _ = target_and_draft()  # vocabulary 8: 512 continuations of 3 tokens
+  head = random_head(small, "medusa")
+  prompt, length, rows = [3, 1, 3], 3, 12000
+  res = specjax.generate(small, [prompt] * rows, max_new_tokens=length, draft=head,
+                         tree=(2, 2), temperature=1.0, seed=4)
+  conts, probs = exact_continuations(small, prompt, length)
+  outs = np.array(res.tokens)
+  counts = np.bincount(np.ravel_multi_index(outs.T, (8,) * length), minlength=8 ** length)
+  sd = np.sqrt(rows * probs * (1 - probs))
+  worst = np.max(np.abs(counts - rows * probs) / (sd + 1e-12))
+  assert np.all(np.abs(counts - rows * probs) <= 5 * sd + 1), f"worst z={worst}"
+  assert 0.05 < res.stats["acceptance_rate"] < 0.95  # drafts both accepted and rejected

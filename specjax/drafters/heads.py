@@ -222,7 +222,7 @@ class MedusaDrafter:
     _check(self.config, "medusa", self.gamma, self.sample_mode)
     if self.gamma > self.config.medusa_heads:
       raise ValueError(f"Medusa with {self.config.medusa_heads} heads drafts at most that "
-                       f"many tokens; got gamma={self.gamma}")
+                       f"many tokens (a tree at most that deep); got gamma={self.gamma}")
 
   def init(self, batch, size):
     return MedusaState(feature=jnp.zeros((batch, self.config.target.d_model), jnp.float32))
