@@ -133,8 +133,8 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
   grid = [dict(zip(fields, values)) for values in itertools.product(
       *(tuple(cfg[f]) for f in fields))]
   # Token trees: points whose γ is the tree's depth, at every processor setting (each node
-  # is processed with its own root-to-node history); n-gram trees when the first drafter
-  # is 'ngram', model-drafter trees otherwise.
+  # is processed with its own root-to-node history); n-gram or Medusa trees when the first
+  # drafter is 'ngram' or 'medusa', model-drafter trees otherwise.
   base = [p for p in grid if p["drafter"] == cfg.drafter[0] and p["gamma"] == cfg.gamma[0]
           and p["gamma_policy"] == "fixed" and p["verify_rule"] == "exact"]
   for tree in cfg.trees:  # each tree over the chain points only (not the previous trees')
@@ -250,11 +250,11 @@ def make_row(point, timing, sc, machine) -> dict:
 
 
 def _tree_drafter(cfg):
-  """Which drafter the `trees` axis uses: 'ngram' if it is the first drafter, else 'model'
-  (None without trees)."""
+  """Which drafter the `trees` axis uses: the first drafter if it is 'ngram' or 'medusa',
+  else 'model' (None without trees)."""
   if not cfg.trees:
     return None
-  return "ngram" if cfg.drafter[0] == "ngram" else "model"
+  return cfg.drafter[0] if cfg.drafter[0] in ("ngram", "medusa") else "model"
 
 
 def _as_tree(tree):

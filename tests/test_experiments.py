@@ -106,3 +106,14 @@ def test_bad_config_fails_at_once(tmp_path, field, value, message):
 def test_unknown_variant():
   with pytest.raises(ValueError, match="variant"):
     sweep_config.get_config("huge")
+
+
+@pytest.mark.parametrize("drafters,want", [(("model", "ngram"), "model"), (("ngram",), "ngram"),
+                                           (("medusa", "model"), "medusa"),
+                                           (("eagle",), "model")])
+def test_tree_axis_follows_the_first_drafter(drafters, want):
+  cfg = sweep_config.get_config("smoke")
+  cfg.drafter = drafters
+  assert run_lib._tree_drafter(cfg) == want
+  cfg.trees = ()
+  assert run_lib._tree_drafter(cfg) is None
