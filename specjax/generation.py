@@ -364,8 +364,9 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
     gamma: draft tokens proposed per round (default 4; with a tree, its depth).
     tree: a token tree for the model, n-gram or Medusa drafter: branching factors
       (k_1, ..., k_d) (every node at depth j-1 gets k_j children; (1,)*γ is the chain)
-      or Medusa-style paths of child ranks, e.g. [(0,), (1,), (0, 0)]. The target scores every node in
-      one pass and the walk down from the root keeps the output exactly the target's.
+      or Medusa-style paths of child ranks, e.g. [(0,), (1,), (0, 0)]. The target scores
+      every node in one pass and the walk down from the root keeps the output exactly
+      the target's.
       The n-gram drafter's children are the distinct continuations of different earlier
       matches (best match first); Medusa head d drafts every node at depth d (the tree's
       depth at most the head count).

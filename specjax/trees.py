@@ -166,7 +166,7 @@ def sample_distinct(key, q, logits, k):
   return jnp.where(j < support, drawn, fill).astype(jnp.int32)
 
 
-def children(sample_mode, key, logits, sampling, k, history):
+def draw_children(sample_mode, key, logits, sampling, k, history):
   """k candidate children per frontier node: logits [B, F, V] -> [B, F, k], q [B, F, V].
 
   `history` ([B, F, ...] or None): the processors' history of each frontier node's
@@ -202,7 +202,7 @@ def _level(tree, level, frontier_nodes, sample_mode, key, frontier, sampling, hi
   nodes = list(range(first, first + count))
   where = [frontier_nodes.index(tree.parents[i]) for i in nodes]  # parent's column
   width = max(tree.ranks[i] for i in nodes) + 1
-  cands, q = children(sample_mode, key, frontier, sampling, width, history)  # [B, F, width]
+  cands, q = draw_children(sample_mode, key, frontier, sampling, width, history)  # [B, F, k]
   ys = cands[:, where, [tree.ranks[i] for i in nodes]]  # [B, count]
   node_tokens = node_tokens.at[:, first:first + count].set(ys)
   node_q = node_q.at[:, first:first + count].set(q[:, where])
