@@ -144,8 +144,11 @@ def summary_table(rows: list[dict]) -> str:
             f"γ={best['gamma']}, T={best['temperature']}, batch {best['batch_size']} "
             f"({best['tokens_per_s']:.0f} vs {best['target_only_tokens_per_s']:.0f} tokens/s)."]
   for drafter in sorted({r["drafter"] for r in rows}):
+    # Chains at the plain settings only: a tree's v (a wider pass) is not the chain's v(γ).
     greedy = [r for r in rows if r["drafter"] == drafter and r["temperature"] == 0.0
-              and r["batch_size"] == min(x["batch_size"] for x in rows)]
+              and r["batch_size"] == min(x["batch_size"] for x in rows) and not r.get("tree")
+              and r.get("gamma_policy", "fixed") == "fixed"
+              and r.get("verify_rule", "exact") == "exact" and r["processors"] == "none"]
     if greedy:
       alpha = float(np.mean([r["alpha_hat"] for r in greedy]))
       c = float(np.mean([r["c"] for r in greedy]))

@@ -58,11 +58,14 @@ def alpha_from_positions(accepted_at: Sequence[int], rounds: int,
 
 
 def fit_verify_cost(gammas: Sequence[int], costs: Sequence[float]) -> Callable[[int], float]:
-  """v(γ) by linear interpolation between measured (γ, cost ratio) points."""
-  gammas = np.asarray(gammas, np.float64)
-  costs = np.asarray(costs, np.float64)
-  order = np.argsort(gammas)
-  gammas, costs = gammas[order], costs[order]
+  """v(γ) by linear interpolation between measured (γ, cost ratio) points.
+
+  Several points at one γ (other temperatures, repeated runs) are averaged. Beyond the
+  measured range the line through the first and last points continues, but never below
+  1: a (γ+1)-token pass costs at least the 1-token step it is measured against.
+  """
+  gammas, inverse = np.unique(np.asarray(gammas, np.float64), return_inverse=True)
+  costs = np.bincount(inverse, weights=np.asarray(costs, np.float64)) / np.bincount(inverse)
 
   def v(gamma):
     g = np.asarray(gamma, np.float64)
@@ -70,7 +73,8 @@ def fit_verify_cost(gammas: Sequence[int], costs: Sequence[float]) -> Callable[[
     inside = np.interp(g, gammas, costs)
     beyond = costs[-1] + slope * (g - gammas[-1])
     below = costs[0] + slope * (g - gammas[0])
-    return np.where(g > gammas[-1], beyond, np.where(g < gammas[0], below, inside))
+    return np.maximum(np.where(g > gammas[-1], beyond, np.where(g < gammas[0], below, inside)),
+                      1.0)
 
   return v
 

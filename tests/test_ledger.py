@@ -31,6 +31,12 @@ class LedgerTest(parameterized.TestCase):
     self.assertEqual(best, brute)
     self.assertAlmostEqual(float(v(2)), 1.75)
     self.assertAlmostEqual(float(v(8)), 4.0)
+    # Points at one γ are averaged (one γ: a constant), and v never falls below 1.
+    one = ledger.fit_verify_cost([4, 4, 4], [2.0, 3.0, 4.0])
+    self.assertAlmostEqual(float(one(3)), 3.0)
+    self.assertAlmostEqual(float(one(6)), 3.0)
+    steep = ledger.fit_verify_cost([4, 6], [1.5, 3.5])
+    self.assertAlmostEqual(float(steep(1)), 1.0)
 
   def test_alpha_from_positions_recovers_a_geometric_run(self):
     rng = np.random.default_rng(0)
