@@ -8,6 +8,7 @@ import pytest
 from configs import sweep as sweep_config
 from experiments import run as run_lib
 from experiments import plots
+from conftest import tiny_model
 
 FIELDS = {"drafter", "gamma", "temperature", "top_p", "batch_size", "rows", "rounds",
           "target_calls", "drafted", "accepted", "committed", "acceptance_rate", "alpha_hat",
@@ -62,7 +63,11 @@ def test_policy_and_rule_axes(tmp_path):
   cfg = sweep_config.get_config("smoke")
   cfg.drafter, cfg.trees, cfg.temperature, cfg.gamma = ("ngram",), (), (1.0,), (3,)
   cfg.gamma_policy, cfg.verify_rule = ("fixed", "ledger"), ("exact", "typical")
-  rows = run_lib.run_sweep(cfg, tmp_path, progress=False)
+  # The axes, not the shipped pair (the smoke sweep runs that): a tiny target compiles fast.
+  target = tiny_model(vocab=16, n_layers=2, seed=3, sharpness=1.5)
+  prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 6, 4, 5, 6, 4, 5]]
+  rows = run_lib.run_sweep(cfg, tmp_path, progress=False, models=(target, None),
+                           prompts=prompts)
   assert len(rows) == 4
   for r in rows:
     assert r["lossless"] == (r["verify_rule"] == "exact")
