@@ -7,7 +7,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from specjax import checks
@@ -251,7 +250,7 @@ def _stop_table(target: Model, eos_id, stop_sequences):
   for k, stop in enumerate(seqs):
     table[k, span - len(stop):] = stop
     lens[k] = len(stop)
-  return jnp.asarray(table), jnp.asarray(lens)
+  return table, lens
 
 
 def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p, eos_id,
@@ -325,8 +324,9 @@ def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p
       engine=decode_lib.Engine(target=target.config, drafter=drafter_obj, rule=rule,
                                policy=policy),
       weights=decode_lib.Weights(target=target.params, draft=draft_params),
-      prompt_width=prompt_width, cache_size=cache_size, tokens=jnp.asarray(tokens),
-      prompt_len=jnp.asarray([len(p) for p in prompts], jnp.int32), sampling=sampling)
+      prompt_width=prompt_width, cache_size=cache_size, tokens=jax.device_put(tokens),
+      prompt_len=jax.device_put(np.asarray([len(p) for p in prompts], np.int32)),
+      sampling=sampling)
 
 
 def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.0, top_k=0,

@@ -250,15 +250,15 @@ def settings_from_args(batch, vocab, max_new_tokens, stop_seqs, stop_lens, eos_i
   eos[list(eos_ids)] = True
   table = constraint
   settings = ProcessorSettings(
-      repetition_penalty=jnp.asarray(rep, jnp.float32),
-      presence_penalty=jnp.asarray(pres, jnp.float32),
-      frequency_penalty=jnp.asarray(freq, jnp.float32),
-      no_repeat_ngram=jnp.asarray(ngram, jnp.int32), min_new=jnp.asarray(min_new, jnp.int32),
-      logit_bias=jnp.asarray(bias if bias is not None else np.zeros((batch, 0)), jnp.float32),
-      banned_early=jnp.asarray(early),
-      fsm_next=jnp.asarray(table.next if table else np.zeros((1, 1), np.int32)),
-      fsm_accept=jnp.asarray(table.accept if table else np.zeros((1,), bool)),
-      fsm_start=jnp.asarray(table.start if table else 0, jnp.int32), eos=jnp.asarray(eos))
+      repetition_penalty=np.asarray(rep, np.float32),
+      presence_penalty=np.asarray(pres, np.float32),
+      frequency_penalty=np.asarray(freq, np.float32),
+      no_repeat_ngram=np.asarray(ngram, np.int32), min_new=np.asarray(min_new, np.int32),
+      logit_bias=np.asarray(bias if bias is not None else np.zeros((batch, 0)), np.float32),
+      banned_early=np.asarray(early),
+      fsm_next=np.asarray(table.next if table else np.zeros((1, 1), np.int32)),
+      fsm_accept=np.asarray(table.accept if table else np.zeros((1,), bool)),
+      fsm_start=np.asarray(table.start if table else 0, np.int32), eos=np.asarray(eos))
   return cfg, settings
 
 
