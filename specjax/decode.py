@@ -303,19 +303,29 @@ def prefill(engine: Engine, weights: Weights, tokens, prompt_len, prompt_width, 
       **engine.policy.init_state(batch, engine.gamma))
 
 
-def run_loop(engine: Engine, weights: Weights, state: DecodeState, sampling: Sampling):
-  """All rounds in one while_loop; no host sync until every row is done."""
+# `decode`'s round limit when none is given: every row runs until it is done.
+NO_ROUND_LIMIT = 2 ** 31 - 1
+
+
+def run_loop(engine: Engine, weights: Weights, state: DecodeState, sampling: Sampling,
+             max_rounds=NO_ROUND_LIMIT):
+  """All rounds in one while_loop; no host sync until every row is done.
+
+  max_rounds (traced) stops the loop earlier: `costs.call_costs` times the compiled
+  engine for 1 and R rounds without compiling another program.
+  """
   return jax.lax.while_loop(
-      lambda s: ~jnp.all(s.done),
+      lambda s: ~jnp.all(s.done) & (s.target_calls < max_rounds),
       lambda s: sharding.constrain(engine, decode_round(engine, weights, s, sampling)), state)
 
 
 @functools.partial(jax.jit, static_argnames=("engine", "prompt_width", "cache_size"))
 def decode(engine: Engine, prompt_width: int, cache_size: int, weights: Weights, tokens,
-           prompt_len, sampling: Sampling, key) -> DecodeState:
-  """Prefill + every round, compiled once per (engine, shapes)."""
+           prompt_len, sampling: Sampling, key, max_rounds=NO_ROUND_LIMIT) -> DecodeState:
+  """Prefill + every round (at most max_rounds), compiled once per (engine, shapes)."""
   # On a mesh the batch is split over devices: no row-by-row CPU matmuls (`model.rowwise`).
   with model_lib.whole_rows(engine.mesh is not None):
     state = prefill(engine, weights, tokens, prompt_len, prompt_width, cache_size, key,
                     sampling)
-    return run_loop(engine, weights, sharding.constrain(engine, state), sampling)
+    return run_loop(engine, weights, sharding.constrain(engine, state), sampling,
+                    jnp.asarray(max_rounds, jnp.int32))

@@ -40,9 +40,11 @@ class Prepared:
     return decode_lib.prefill(self.engine, self.weights, self.tokens, self.prompt_len,
                               self.prompt_width, self.cache_size, key, self.sampling)
 
-  def run(self, key) -> decode_lib.DecodeState:
+  def run(self, key, max_rounds: int = decode_lib.NO_ROUND_LIMIT) -> decode_lib.DecodeState:
+    # An int, so every limit shares one compiled program (it is traced).
     return decode_lib.decode(self.engine, self.prompt_width, self.cache_size, self.weights,
-                             self.tokens, self.prompt_len, self.sampling, key)
+                             self.tokens, self.prompt_len, self.sampling, key,
+                             np.int32(max_rounds))
 
 
 @dataclasses.dataclass

@@ -47,6 +47,26 @@ class AutoregressiveTest(parameterized.TestCase):
                            top_p=top_p, top_k=3 if top_p < 1 else 0, seed=1)
     self.assertEqual(len(traced), 1)
 
+  def test_a_round_limit_stops_the_compiled_loop_early(self):
+    # costs.call_costs times calls stopped after 1 and R rounds on the full call's program.
+    import jax
+    from specjax import generation
+    model = tiny_model(vocab=16, n_layers=1, seed=5)
+    args = generation.prepare(model, PROMPTS, max_new_tokens=20, temperature=1.0, top_k=0,
+                              top_p=1.0, eos_id=None, drafter="ngram", gamma=2)
+    key = jax.random.PRNGKey(3)
+    with decode_traces() as traced:
+      full = args.run(key)
+      parts = {r: args.run(key, r) for r in (1, 3)}
+    self.assertEqual(len(traced), 1)  # the limit is traced: one program for every limit
+    self.assertGreater(int(full.target_calls), 3)
+    for r, part in parts.items():
+      self.assertEqual(int(part.target_calls), r)
+      for row in range(len(PROMPTS)):  # the same rounds as the full call, cut short
+        start, stop = int(part.prompt_len[row]), int(part.n[row])
+        self.assertLess(stop, int(full.n[row]))
+        np.testing.assert_array_equal(part.tokens[row, start:stop], full.tokens[row, start:stop])
+
   def test_stats_are_per_sequence(self):
     model = tiny_model(vocab=16, n_layers=1, seed=4)
     s = specjax.generate(model, [[1, 2]] * 4, max_new_tokens=5).stats

@@ -281,9 +281,10 @@ def _distributed_class():
     """A `Prepared` on a mesh. `rows`: the caller's batch (the rest is padding)."""
     rows: int = 0
 
-    def run(self, key):
+    def run(self, key, max_rounds=None):
       """The final state, on the host, without the padding rows (see `collect`)."""
       key = put(key, NamedSharding(self.engine.mesh, P()))
-      return collect(super().run(key), self.rows)
+      limit = {} if max_rounds is None else dict(max_rounds=max_rounds)
+      return collect(super().run(key, **limit), self.rows)
 
   return Distributed
