@@ -60,6 +60,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.stop_at_eos = False  # off: every row decodes max_new_tokens, so rows compare evenly
   c.timing_pairs = 3  # speculative and target-only passes over the prompts, alternately
   c.cost_rounds = 5  # rounds of the c / v(γ) timing loops (medians of per-round ratios)
+  # Also time each side's generate call stopped after 1 and after R rounds
+  # (costs.call_costs, the compiled engine, nothing new to compile): a round's cost ρ in
+  # target-only rounds, and the fixed part of a call (prefill, host work), for the
+  # whole-call prediction next to the ledger's.
+  c.call_costs = True
   c.seed = 0
 
   variant = (arg or "").strip()
@@ -72,6 +77,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.timing_pairs = 1
     c.cost_rounds = 2
     c.trees = ((2, 1),)
+    c.call_costs = False  # 8 tokens: too few rounds to time (test_experiments turns it on)
   elif variant == "full":
     c.gamma = (1, 2, 3, 4, 5, 6, 8, 10, 12)
     c.temperature = (0.0, 0.3, 0.7, 1.0, 1.3)

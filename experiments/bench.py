@@ -19,7 +19,6 @@ from absl import flags
 from experiments import common
 from specjax import costs
 from specjax import ledger
-from specjax.generation import prepare
 
 _TARGET = flags.DEFINE_string("target", "stdlib-target", "Target model.")
 _DRAFT = flags.DEFINE_string("draft", "stdlib-draft", "Draft model.")
@@ -45,16 +44,16 @@ def bench_point(target, draft, prompts, gamma, batch, temperature, max_new, pair
   context = len(prompts[0]) + max_new // 2
   sc = common.step_costs(target, draft, "model", gamma, batch, context,
                          temperature=temperature)
-  rounds = 16
-  sampling = dict(max_new_tokens=rounds * (gamma + 1), temperature=temperature, top_k=0,
-                  top_p=1.0, eos_id=None)
-  round_s = costs.round_cost(prepare(target, prompts[:batch], draft=draft, gamma=gamma,
-                                     **sampling), rounds=rounds)
-  base_round_s = costs.round_cost(prepare(target, prompts[:batch], **sampling), rounds=rounds)
+  # Each side's call stopped after 1 and R rounds, in turn: a round's time, the fixed part.
+  calls = costs.call_costs(target, prompts[:batch], dict(kw, draft=draft, gamma=gamma), kw)
+  round_s, base_round_s = calls["round_method_s"], calls["round_baseline_s"]
   alpha = stats["alpha_hat"]
   predicted = float(ledger.predicted_speedup(alpha, gamma, sc["c"], sc["v"]))
+  expected = float(ledger.expected_tokens(alpha, gamma))
+  predicted_call = float(ledger.predicted_call_speedup(
+      expected, max_new, calls["round"], calls["fixed_method"], calls["fixed_baseline"]))
   rest = round_s - sc["propose_s"] - sc["verify_s"]
-  loop_s = stats["target_calls"] * round_s  # time inside rounds, by the fused-loop cost
+  loop_s = stats["target_calls"] * round_s  # time inside rounds, by the measured round
   return {
       "batch": batch, "temperature": temperature, "gamma": gamma,
       "target_only_tokens_per_s": base["tokens_per_s"],
@@ -62,8 +61,12 @@ def bench_point(target, draft, prompts, gamma, batch, temperature, max_new, pair
       "speedup": timing["speedup"], "speedup_min": timing["speedup_min"],
       "speedup_max": timing["speedup_max"], "predicted_speedup": predicted,
       "measured_over_predicted": timing["speedup"] / predicted,
+      "predicted_call_speedup": predicted_call,
+      "measured_over_predicted_call": timing["speedup"] / predicted_call,
+      "round_ratio": calls["round"], "fixed_method": calls["fixed_method"],
+      "fixed_baseline": calls["fixed_baseline"],
       "alpha_hat": alpha, "tokens_per_target_call": stats["tokens_per_target_call"],
-      "expected_tokens": float(ledger.expected_tokens(alpha, gamma)),
+      "expected_tokens": expected,
       "c": sc["c"], "v": sc["v"], "target_step_ms": sc["target_step_s"] * 1e3,
       "round_ms": round_s * 1e3, "draft_ms": sc["propose_s"] * 1e3,
       "verify_ms": sc["verify_s"] * 1e3, "rest_ms": rest * 1e3,
@@ -78,7 +81,10 @@ COLUMNS = [
     ("target-only tok/s", "target_only_tokens_per_s", ".0f"),
     ("speculative tok/s", "speculative_tokens_per_s", ".0f"),
     ("speedup (min–max)", "speedup", "x"), ("predicted", "predicted_speedup", "x"),
-    ("measured/predicted", "measured_over_predicted", ".2f"), ("α̂", "alpha_hat", ".3f"),
+    ("measured/predicted", "measured_over_predicted", ".2f"),
+    ("predicted (call)", "predicted_call_speedup", "x"),
+    ("measured/predicted (call)", "measured_over_predicted_call", ".2f"),
+    ("α̂", "alpha_hat", ".3f"),
     ("tokens/call", "tokens_per_target_call", ".2f"), ("round ms", "round_ms", ".2f"),
     ("draft", "draft_ms", ".2f"), ("verify", "verify_ms", ".2f"), ("rest", "rest_ms", ".2f"),
     ("rest %", "rest_percent", ".0f"), ("v(γ)", "v", ".2f"), ("c", "c", ".3f"),

@@ -131,7 +131,8 @@ SUMMARY_COLUMNS = [
     ("accept rate", "acceptance_rate", ".3f"), ("tokens/call", "tokens_per_target_call", ".2f"),
     ("E(α̂,γ)", "expected_tokens", ".2f"), ("c", "c", ".3f"), ("v(γ)", "v", ".2f"),
     ("tok/s", "tokens_per_s", ".0f"), ("target-only tok/s", "target_only_tokens_per_s", ".0f"),
-    ("speedup (min–max)", "speedup", "x"), ("predicted", "predicted_speedup", "x")]
+    ("speedup (min–max)", "speedup", "x"), ("predicted", "predicted_speedup", "x"),
+    ("round ρ", "round_ratio", ".2f"), ("predicted (call)", "predicted_call_speedup", "x")]
 
 
 def summary_table(rows: list[dict]) -> str:
@@ -143,6 +144,13 @@ def summary_table(rows: list[dict]) -> str:
   lines += ["", f"Best measured: {best['speedup']:.2f}x with the {best['drafter']} drafter, "
             f"γ={best['gamma']}, T={best['temperature']}, batch {best['batch_size']} "
             f"({best['tokens_per_s']:.0f} vs {best['target_only_tokens_per_s']:.0f} tokens/s)."]
+  whole = [r for r in rows if r.get("predicted_call_speedup")]
+  if whole:
+    near = lambda key: sum(abs(r["speedup"] / r[key] - 1) <= 0.1 for r in whole)
+    lines.append(f"Measured within 10% of the prediction: {near('predicted_speedup')} of "
+                 f"{len(whole)} points by the ledger's E/(γc+v), "
+                 f"{near('predicted_call_speedup')} by the whole call's (round ρ, prefill "
+                 f"and host work measured).")
   for drafter in sorted({r["drafter"] for r in rows}):
     # Chains at the plain settings only: a tree's v (a wider pass) is not the chain's v(γ).
     greedy = [r for r in rows if r["drafter"] == drafter and r["temperature"] == 0.0

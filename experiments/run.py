@@ -91,6 +91,8 @@ def validate(cfg) -> None:
       fail(field, "must be an int >= 1")
   if not isinstance(cfg.top_k, int) or cfg.top_k < 0:
     fail("top_k", "must be an int >= 0")
+  if not isinstance(cfg.get("call_costs", False), bool):
+    fail("call_costs", "must be True or False")
   if cfg.draft_sample not in ("probabilistic", "greedy"):
     fail("draft_sample", "must be 'probabilistic' or 'greedy'")
 
@@ -202,7 +204,13 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
       spec.update(draft=drafter_model, draft_sample=cfg.draft_sample)
     timing = common.paired_generate(target, prompts, point["batch_size"], cfg.timing_pairs,
                                     method=spec, baseline=sampling)
-    row = make_row(point, timing, step_costs[ckey], machine)
+    calls = None
+    if cfg.get("call_costs", False) and mesh is None:
+      # Each side's call stopped after 1 and R rounds. A difference of two calls swings
+      # more than a timing loop: twice the repeats (~0.3 s each).
+      calls = costs.call_costs(target, prompts[:point["batch_size"]], spec, sampling,
+                               repeats=2 * cfg.cost_rounds + 1)
+    row = make_row(point, timing, step_costs[ckey], machine, calls)
     rows.append(row)
     with results_path.open("a") as f:
       f.write(json.dumps(row) + "\n")
@@ -210,7 +218,7 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
   return rows
 
 
-def make_row(point, timing, sc, machine) -> dict:
+def make_row(point, timing, sc, machine, calls=None) -> dict:
   gamma = point["gamma"]
   stats = timing["method"]["stats"]
   alpha = stats["alpha_hat"]
@@ -224,6 +232,15 @@ def make_row(point, timing, sc, machine) -> dict:
   else:
     expected = float(ledger.expected_tokens(alpha, drafted))
   predicted = expected / (drafted * sc["c"] + sc["v"])
+  whole = {}
+  if calls:  # the whole call: measured round cost and the fixed part of a call (prefill, host)
+    whole = dict(
+        predicted_call_speedup=float(ledger.predicted_call_speedup(
+            expected, calls["new_tokens"], calls["round"], calls["fixed_method"],
+            calls["fixed_baseline"])),
+        round_ratio=calls["round"], round_ratio_min=calls["round_min"],
+        round_ratio_max=calls["round_max"], fixed_method=calls["fixed_method"],
+        fixed_baseline=calls["fixed_baseline"], call_repeats_kept=calls["repeats_kept"])
   return dict(
       point,
       rows=stats["rows"], rounds=stats["rounds"], target_calls=stats["target_calls"],
@@ -245,7 +262,7 @@ def make_row(point, timing, sc, machine) -> dict:
       c=sc["c"], v=sc["v"], target_step_ms=sc["target_step_s"] * 1e3,
       **{k: sc[k] for k in ("c_min", "c_max", "v_min", "v_max")},
       draft_propose_ms=sc["propose_s"] * 1e3,
-      predicted_speedup=predicted, machine=machine,
+      predicted_speedup=predicted, machine=machine, **whole,
   )
 
 

@@ -254,3 +254,84 @@ def round_cost(prepared, rounds: int = 16, repeats: int = 3) -> float:
   """Seconds per decode round (`round_timer`, best of repeats)."""
   run = round_timer(prepared, rounds)
   return min(run() for _ in range(repeats))
+
+
+# `specjax.generate`'s defaults for the arguments `prepare` requires.
+GENERATE_DEFAULTS = dict(temperature=0.0, top_k=0, top_p=1.0, eos_id=None)
+
+
+def _prepare(target, prompts, kwargs: dict):
+  """`generation.prepare` of `specjax.generate` keyword arguments (its defaults filled)."""
+  from specjax import generation  # generation imports this module lazily too
+  kwargs = {k: v for k, v in kwargs.items() if k not in ("seed", "mesh")}
+  return generation.prepare(target, prompts, **{**GENERATE_DEFAULTS, **kwargs})
+
+
+def call_timer(target, prompts, kwargs: dict) -> Callable[[int], float]:
+  """rounds -> seconds of a `generate` call stopped after that many rounds.
+
+  The call is `generate`'s work: `prepare` (host), the compiled engine's prefill and
+  rounds (`Prepared.run(key, max_rounds)`, the limit traced, so every limit runs the
+  one program the full call compiled) and the fetch of the tokens and stats.
+  """
+  from specjax import generation  # generation imports this module lazily too
+  _prepare(target, prompts, kwargs).run(jax.random.PRNGKey(0), 1)  # compile, if not yet
+
+  def call(rounds: int) -> float:
+    start = time.perf_counter()
+    args = _prepare(target, prompts, kwargs)
+    state = args.run(jax.random.PRNGKey(0), rounds)
+    jax.device_get((state.tokens, state.n, state.prompt_len))  # what generate fetches
+    generation.summarize_stats(state, args.engine.gamma)
+    return time.perf_counter() - start
+
+  return call
+
+
+def call_costs(target, prompts, method: dict, baseline: dict, rounds: int = 64,
+               repeats: int = 9) -> dict:
+  """What a whole `generate` call costs beyond the ledger's γc + v(γ), in target-only rounds.
+
+  method, baseline: `specjax.generate` keyword arguments. Each side's call is timed
+  stopped after 1 and after R rounds (`call_timer`; R ≤ rounds, few enough that no row
+  reaches its budget first, though a row may stop at EOS), so one round costs
+  t = (W_R − W_1) / (R − 1) and the rest of a call, F = W_1 − t, is its fixed part: host
+  work and the prefill of both models. Returns, as medians of per-repeat ratios with
+  min and max:
+    round: t of the method / t of target-only (drafting, the verify pass, verification,
+      sampling and commit, as the compiled loop runs them);
+    fixed_method, fixed_baseline: F of each side / t of target-only;
+    round_method_s, round_baseline_s: t of each side (seconds);
+  new_tokens, the method's budget, and repeats_kept: a repeat where either side's R rounds
+  took no longer than one (rounds of a tiny model, lost in the host's jitter) is dropped,
+  and with none kept the values are NaN. `ledger.predicted_call_speedup` turns these and
+  E(α̂, γ) into a whole-call prediction. Each repeat times both sides in alternating
+  order, so a machine that slows down moves a ratio's two sides alike.
+  """
+  gamma = _prepare(target, prompts, method).engine.gamma
+  # A round commits at most γ + 1 tokens (target-only: 1): R rounds leave every row short
+  # of its budget, so none stops early.
+  r = {"m": max(2, min(rounds, int(method["max_new_tokens"]) // (gamma + 1))),
+       "b": max(2, min(rounds, int(baseline["max_new_tokens"])))}
+  sides = (("m", call_timer(target, prompts, method)),
+           ("b", call_timer(target, prompts, baseline)))
+  out = {k: [] for k in ("round", "fixed_method", "fixed_baseline", "round_method_s",
+                         "round_baseline_s")}
+  for i in range(max(repeats, 1)):
+    t, fixed = {}, {}
+    for name, call in (sides if i % 2 == 0 else sides[::-1]):
+      w1, wr = call(1), call(r[name])
+      t[name] = (wr - w1) / (r[name] - 1)
+      fixed[name] = max(w1 - t[name], 0.0)
+    if min(t.values()) <= 0:  # rounds too short to see past the host's jitter: no ratio
+      continue
+    out["round"].append(t["m"] / t["b"])
+    out["fixed_method"].append(fixed["m"] / t["b"])
+    out["fixed_baseline"].append(fixed["b"] / t["b"])
+    out["round_method_s"].append(t["m"])
+    out["round_baseline_s"].append(t["b"])
+  result = {"new_tokens": int(method["max_new_tokens"]), "rounds_timed": r["m"],
+            "repeats_kept": len(out["round"])}
+  for name, values in out.items():
+    result.update(_median_range(values or [float("nan")], name))
+  return result

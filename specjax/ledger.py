@@ -104,3 +104,15 @@ def tree_expected_tokens(parents, alpha):
     return out
 
   return 1.0 + value(-1)
+
+
+def predicted_call_speedup(expected, new_tokens, round_ratio, fixed_method, fixed_baseline):
+  """Whole-call speedup: (F_b + N) / (F_m + (N / E) ρ), all in target-only rounds.
+
+  A target-only call is its fixed part F_b (host work and prefill) plus N rounds of one
+  token; a speculative call is F_m plus N / E rounds that each cost ρ target-only rounds
+  (`costs.call_costs` measures ρ, F_m and F_b). With F = 0 and ρ = γc + v(γ) this is
+  the ledger's E / (γc + v(γ)); the fixed parts pull a short call's speedup towards 1.
+  """
+  expected = np.asarray(expected, np.float64)
+  return (fixed_baseline + new_tokens) / (fixed_method + new_tokens / expected * round_ratio)

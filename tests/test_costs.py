@@ -44,3 +44,36 @@ def test_verify_costs_pair_each_pass_with_the_step_before_it(monkeypatch):
   assert vc["by_gamma"][1]["v"] == 1.25
   assert (vc["by_gamma"][1]["v_min"], vc["by_gamma"][1]["v_max"]) == (1.0, 1.5)
   assert vc["by_gamma"][2]["v"] == 2.0
+
+
+def test_call_costs_split_calls_into_rounds_and_a_fixed_part(monkeypatch):
+  # rounds=16 caps R. W(1) and W(16) per side: t_m = (42 - 12) / 15 = 2, F_m = 12 - 2 = 10; t_b = 1, F_b = 5.
+  # Repeat 2 ran on a machine twice as slow for both sides.
+  # Repeat 4: the baseline's 16 rounds took no longer than one (jitter): dropped.
+  walls = {"m": {1: [12.0, 24.0, 12.0, 12.0], 16: [42.0, 84.0, 42.0, 42.0]},
+           "b": {1: [6.0, 12.0, 6.0, 6.0], 16: [21.0, 42.0, 21.0, 5.0]}}
+  asked = []
+
+  def call_timer(target, prompts, kw):
+    side = "m" if "drafter" in kw else "b"
+    return lambda rounds: asked.append((side, rounds)) or walls[side][rounds].pop(0)
+
+  from specjax import generation
+  monkeypatch.setattr(generation, "prepare", lambda target, prompts, **kw: types.SimpleNamespace(
+      engine=types.SimpleNamespace(gamma=2)))
+  monkeypatch.setattr(costs, "call_timer", call_timer)
+  out = costs.call_costs(None, [[1]], dict(max_new_tokens=64, drafter="ngram"),
+                         dict(max_new_tokens=64), rounds=16, repeats=4)
+  assert out["repeats_kept"] == 3 and out["rounds_timed"] == 16  # 64 // (γ + 1) = 21: capped
+  assert (out["round"], out["round_min"], out["round_max"]) == (2.0, 2.0, 2.0)
+  assert out["fixed_method"] == 10.0 and out["fixed_baseline"] == 5.0
+  assert out["round_method_s"] == 2.0 and out["new_tokens"] == 64
+  assert asked[:4] == [("m", 1), ("m", 16), ("b", 1), ("b", 16)]
+  assert asked[4:6] == [("b", 1), ("b", 16)]  # the order alternates between repeats
+  # A budget of 8 at γ = 2 leaves room for 8 // 3 = 2 rounds, not 16; target-only for 8.
+  walls["m"] = {1: [3.0], 2: [5.0]}
+  walls["b"] = {1: [2.0], 8: [9.0]}
+  monkeypatch.setattr(costs, "call_timer", call_timer)
+  out = costs.call_costs(None, [[1]], dict(max_new_tokens=8, drafter="ngram"),
+                         dict(max_new_tokens=8), repeats=1)
+  assert out["rounds_timed"] == 2 and out["round"] == 2.0 and out["fixed_method"] == 1.0

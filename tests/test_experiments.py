@@ -63,6 +63,8 @@ def test_policy_and_rule_axes(tmp_path):
   cfg = sweep_config.get_config("smoke")
   cfg.drafter, cfg.trees, cfg.temperature, cfg.gamma = ("ngram",), (), (1.0,), (3,)
   cfg.gamma_policy, cfg.verify_rule = ("fixed", "ledger"), ("exact", "typical")
+  # Off in the smoke config. 32 tokens: rounds enough to time past the host's jitter.
+  cfg.call_costs, cfg.max_new_tokens = True, 48
   # The axes, not the shipped pair (the smoke sweep runs that): a tiny target compiles fast.
   target = tiny_model(vocab=16, n_layers=2, seed=3, sharpness=1.5)
   prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 6, 4, 5, 6, 4, 5]]
@@ -74,8 +76,12 @@ def test_policy_and_rule_axes(tmp_path):
     if r["gamma_policy"] == "fixed":
       assert r["drafted"] == 3 * r["rounds"]
     assert 0 < r["drafted"] <= 3 * r["rounds"] and r["draft_steps"] > 0
+    assert r["round_ratio_min"] <= r["round_ratio"] <= r["round_ratio_max"]
+    assert r["fixed_method"] > 0 and r["fixed_baseline"] > 0  # prefill and host work
+    assert r["predicted_call_speedup"] > 0, r
   summary = (tmp_path / "summary.md").read_text()
   assert "γ policy ledger" in summary and "rule typical" in summary
+  assert "of 4 points by the ledger" in summary and "round ρ" in summary
 
 
 def test_rerun_skips_done_points(smoke):

@@ -64,3 +64,13 @@ def test_tree_expected_tokens():
   np.testing.assert_allclose(ledger.tree_expected_tokens((-1, -1), [0.5, float("nan")]), 1.5)
   np.testing.assert_allclose(ledger.tree_expected_tokens(wide.parents, [0.6]),
                              ledger.tree_expected_tokens(wide.parents, 0.6))
+
+
+def test_predicted_call_speedup():
+  e, rho = ledger.expected_tokens(0.8, 4), 2.0
+  # No fixed part: E / ρ, the ledger's form with ρ for γc + v(γ).
+  np.testing.assert_allclose(ledger.predicted_call_speedup(e, 64, rho, 0.0, 0.0), e / rho)
+  # Fixed parts of 10 and 8 rounds: (8 + 64) / (10 + 64 / E · ρ), nearer 1 than E / ρ.
+  s = ledger.predicted_call_speedup(e, 64, rho, 10.0, 8.0)
+  np.testing.assert_allclose(s, 72 / (10 + 64 / e * rho))
+  assert 1 < s < e / rho
