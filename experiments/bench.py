@@ -50,8 +50,10 @@ def bench_point(target, draft, prompts, gamma, batch, temperature, max_new, pair
   alpha = stats["alpha_hat"]
   predicted = float(ledger.predicted_speedup(alpha, gamma, sc["c"], sc["v"]))
   expected = float(ledger.expected_tokens(alpha, gamma))
+  rounds = ledger.rounds_to_commit(
+      ledger.commits_by_position(stats["acceptance_by_position"], gamma), max_new)
   predicted_call = float(ledger.predicted_call_speedup(
-      expected, max_new, calls["round"], calls["fixed_method"], calls["fixed_baseline"]))
+      expected, max_new, calls["round"], calls["fixed_method"], calls["fixed_baseline"], rounds))
   rest = round_s - sc["propose_s"] - sc["verify_s"]
   loop_s = stats["target_calls"] * round_s  # time inside rounds, by the measured round
   return {

@@ -234,10 +234,17 @@ def make_row(point, timing, sc, machine, calls=None) -> dict:
   predicted = expected / (drafted * sc["c"] + sc["v"])
   whole = {}
   if calls:  # the whole call: measured round cost and the fixed part of a call (prefill, host)
+    rounds = None  # N / E for trees and adaptive lengths
+    if not tree and point.get("gamma_policy", "fixed") == "fixed":
+      # The rounds a row needs for its budget, from the rate measured at each draft
+      # position (what α̂ pools), the last round cut short.
+      rounds = ledger.rounds_to_commit(ledger.commits_by_position(
+          stats["acceptance_by_position"], gamma), calls["new_tokens"])
     whole = dict(
         predicted_call_speedup=float(ledger.predicted_call_speedup(
             expected, calls["new_tokens"], calls["round"], calls["fixed_method"],
-            calls["fixed_baseline"])),
+            calls["fixed_baseline"], rounds)),
+        predicted_rounds=rounds,
         round_ratio=calls["round"], round_ratio_min=calls["round_min"],
         round_ratio_max=calls["round_max"], fixed_method=calls["fixed_method"],
         fixed_baseline=calls["fixed_baseline"], call_repeats_kept=calls["repeats_kept"])

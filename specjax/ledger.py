@@ -106,13 +106,43 @@ def tree_expected_tokens(parents, alpha):
   return 1.0 + value(-1)
 
 
-def predicted_call_speedup(expected, new_tokens, round_ratio, fixed_method, fixed_baseline):
-  """Whole-call speedup: (F_b + N) / (F_m + (N / E) ρ), all in target-only rounds.
+def predicted_call_speedup(expected, new_tokens, round_ratio, fixed_method, fixed_baseline,
+                           rounds=None):
+  """Whole-call speedup: (F_b + N) / (F_m + R ρ), all in target-only rounds.
 
   A target-only call is its fixed part F_b (host work and prefill) plus N rounds of one
-  token; a speculative call is F_m plus N / E rounds that each cost ρ target-only rounds
-  (`costs.call_costs` measures ρ, F_m and F_b). With F = 0 and ρ = γc + v(γ) this is
-  the ledger's E / (γc + v(γ)); the fixed parts pull a short call's speedup towards 1.
+  token; a speculative call is F_m plus R rounds that each cost ρ target-only rounds
+  (`costs.call_costs` measures ρ, F_m and F_b). R is `rounds` (say `rounds_to_commit`)
+  or N / E. With F = 0, R = N / E and ρ = γc + v(γ) this is the ledger's
+  E / (γc + v(γ)); the fixed parts pull a short call's speedup towards 1.
   """
-  expected = np.asarray(expected, np.float64)
-  return (fixed_baseline + new_tokens) / (fixed_method + new_tokens / expected * round_ratio)
+  rounds = new_tokens / np.asarray(expected, np.float64) if rounds is None else rounds
+  return (fixed_baseline + new_tokens) / (fixed_method + rounds * round_ratio)
+
+
+def commits_by_position(rates, gamma: int) -> np.ndarray:
+  """P(a round commits k + 1 tokens), k = 0..γ, from P(accept i | position i reached).
+
+  rates: the measured `acceptance_by_position` (a position never reached, NaN, counts
+  as 0; positions past its end take its last value). One rate α for every position
+  gives the ledger's i.i.d. law, whose mean is E(α, γ).
+  """
+  rates = np.nan_to_num(np.atleast_1d(np.asarray(rates, np.float64)), nan=0.0)
+  rates = rates[np.minimum(np.arange(gamma), rates.size - 1)]
+  reach = np.concatenate([[1.0], np.cumprod(rates)])  # P(position k reached), k = 0..γ
+  return reach * np.append(1.0 - rates, 1.0)
+
+
+def rounds_to_commit(commits, new_tokens: int) -> float:
+  """Expected rounds until a row has committed `new_tokens` (its last round cut short).
+
+  commits: P(a round commits k + 1 tokens), k = 0.. (`commits_by_position`). N / E
+  undercounts: the round that crosses the budget counts whole but commits only what is
+  left, worth up to half a round over a short call.
+  """
+  commits = np.asarray(commits, np.float64)
+  r = np.zeros(new_tokens + 1)
+  for n in range(1, new_tokens + 1):
+    left = np.maximum(n - np.arange(1, commits.size + 1), 0)
+    r[n] = 1.0 + commits @ r[left]
+  return float(r[new_tokens])

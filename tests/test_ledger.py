@@ -74,3 +74,21 @@ def test_predicted_call_speedup():
   s = ledger.predicted_call_speedup(e, 64, rho, 10.0, 8.0)
   np.testing.assert_allclose(s, 72 / (10 + 64 / e * rho))
   assert 1 < s < e / rho
+
+
+def test_rounds_to_commit_a_budget():
+  # One rate for every position is the i.i.d. law: mean E(α, γ).
+  law = ledger.commits_by_position([0.7], 3)
+  np.testing.assert_allclose(law.sum(), 1.0)
+  np.testing.assert_allclose(law @ np.arange(1, 5), ledger.expected_tokens(0.7, 3))
+  # Rates by position; a position never reached (NaN) accepts nothing.
+  np.testing.assert_allclose(ledger.commits_by_position([0.5, float("nan")], 3),
+                             [0.5, 0.5, 0.0, 0.0])
+  # Every round commits γ + 1 = 3: ceil(N / 3) rounds, not N / 3.
+  assert ledger.rounds_to_commit(ledger.commits_by_position([1.0], 2), 7) == 3.0
+  # 1 or 2 tokens a round, evenly: R(1) = 1, R(2) = 1 + R(1) / 2 = 1.5, R(3) = 1 + (R(2) +
+  # R(1)) / 2 = 2.25; N / E = 3 / 1.5 = 2 undercounts the cut last round.
+  np.testing.assert_allclose(ledger.rounds_to_commit([0.5, 0.5], 3), 2.25)
+  # Long budgets: N / E plus a bounded overshoot.
+  mean, r = law @ np.arange(1, 5), ledger.rounds_to_commit(law, 400)
+  assert 400 / mean < r < 400 / mean + 1
