@@ -144,7 +144,7 @@ def summary_table(rows: list[dict]) -> str:
   lines += ["", f"Best measured: {best['speedup']:.2f}x with the {best['drafter']} drafter, "
             f"γ={best['gamma']}, T={best['temperature']}, batch {best['batch_size']} "
             f"({best['tokens_per_s']:.0f} vs {best['target_only_tokens_per_s']:.0f} tokens/s)."]
-  whole = [r for r in rows if r.get("predicted_call_speedup")]
+  whole = [r for r in rows if np.isfinite(r.get("predicted_call_speedup") or np.nan)]
   if whole:
     near = lambda key: sum(abs(r["speedup"] / r[key] - 1) <= 0.1 for r in whole)
     lines.append(f"Measured within 10% of the prediction: {near('predicted_speedup')} of "

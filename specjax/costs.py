@@ -267,8 +267,8 @@ def _prepare(target, prompts, kwargs: dict):
   return generation.prepare(target, prompts, **{**GENERATE_DEFAULTS, **kwargs})
 
 
-def call_timer(target, prompts, kwargs: dict) -> Callable[[int], float]:
-  """rounds -> seconds of a `generate` call stopped after that many rounds.
+def call_timer(target, prompts, kwargs: dict) -> Callable[[int], tuple[float, int]]:
+  """rounds -> (seconds, rounds run) of a `generate` call stopped after that many rounds.
 
   The call is `generate`'s work: `prepare` (host), the compiled engine's prefill and
   rounds (`Prepared.run(key, max_rounds)`, the limit traced, so every limit runs the
@@ -283,7 +283,8 @@ def call_timer(target, prompts, kwargs: dict) -> Callable[[int], float]:
     state = args.run(jax.random.PRNGKey(0), rounds)
     jax.device_get((state.tokens, state.n, state.prompt_len))  # what generate fetches
     generation.summarize_stats(state, args.engine.gamma)
-    return time.perf_counter() - start
+    # Fewer rounds than asked when every row is done first (EOS, a stop sequence).
+    return time.perf_counter() - start, int(state.target_calls)
 
   return call
 
@@ -294,9 +295,9 @@ def call_costs(target, prompts, method: dict, baseline: dict, rounds: int = 64,
 
   method, baseline: `specjax.generate` keyword arguments. Each side's call is timed
   stopped after 1 and after R rounds (`call_timer`; R ≤ rounds, few enough that no row
-  reaches its budget first, though a row may stop at EOS), so one round costs
-  t = (W_R − W_1) / (R − 1) and the rest of a call, F = W_1 − t, is its fixed part: host
-  work and the prefill of both models. Returns, as medians of per-repeat ratios with
+  reaches its budget first; R counts the rounds that ran, fewer if every row stopped at
+  EOS), so one round costs t = (W_R − W_1) / (R − 1) and the rest of a call,
+  F = W_1 − t, is its fixed part: host work and the prefill of both models. Returns, as medians of per-repeat ratios with
   min and max:
     round: t of the method / t of target-only (drafting, the verify pass, verification,
       sampling and commit, as the compiled loop runs them);
@@ -320,8 +321,8 @@ def call_costs(target, prompts, method: dict, baseline: dict, rounds: int = 64,
   for i in range(max(repeats, 1)):
     t, fixed = {}, {}
     for name, call in (sides if i % 2 == 0 else sides[::-1]):
-      w1, wr = call(1), call(r[name])
-      t[name] = (wr - w1) / (r[name] - 1)
+      (w1, _), (wr, ran) = call(1), call(r[name])
+      t[name] = (wr - w1) / (ran - 1) if ran > 1 else 0.0
       fixed[name] = max(w1 - t[name], 0.0)
     if min(t.values()) <= 0:  # rounds too short to see past the host's jitter: no ratio
       continue

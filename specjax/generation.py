@@ -41,10 +41,9 @@ class Prepared:
                               self.prompt_width, self.cache_size, key, self.sampling)
 
   def run(self, key, max_rounds: int = decode_lib.NO_ROUND_LIMIT) -> decode_lib.DecodeState:
-    # An int, so every limit shares one compiled program (it is traced).
+    # A Python int like decode's default: every limit shares one program (it is traced).
     return decode_lib.decode(self.engine, self.prompt_width, self.cache_size, self.weights,
-                             self.tokens, self.prompt_len, self.sampling, key,
-                             np.int32(max_rounds))
+                             self.tokens, self.prompt_len, self.sampling, key, int(max_rounds))
 
 
 @dataclasses.dataclass

@@ -138,7 +138,8 @@ def rounds_to_commit(commits, new_tokens: int) -> float:
 
   commits: P(a round commits k + 1 tokens), k = 0.. (`commits_by_position`). N / E
   undercounts: the round that crosses the budget counts whole but commits only what is
-  left, worth up to half a round over a short call.
+  left, worth up to half a round over a short call. Per row: a batch decodes until its
+  slowest row is done, so at batch > 1 the call takes more rounds than this.
   """
   commits = np.asarray(commits, np.float64)
   r = np.zeros(new_tokens + 1)

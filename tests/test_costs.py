@@ -52,11 +52,12 @@ def test_call_costs_split_calls_into_rounds_and_a_fixed_part(monkeypatch):
   # Repeat 4: the baseline's 16 rounds took no longer than one (jitter): dropped.
   walls = {"m": {1: [12.0, 24.0, 12.0, 12.0], 16: [42.0, 84.0, 42.0, 42.0]},
            "b": {1: [6.0, 12.0, 6.0, 6.0], 16: [21.0, 42.0, 21.0, 5.0]}}
-  asked = []
+  asked, ran = [], {}
 
   def call_timer(target, prompts, kw):
     side = "m" if "drafter" in kw else "b"
-    return lambda rounds: asked.append((side, rounds)) or walls[side][rounds].pop(0)
+    return lambda rounds: asked.append((side, rounds)) or (walls[side][rounds].pop(0),
+                                                            ran.get((side, rounds), rounds))
 
   from specjax import generation
   monkeypatch.setattr(generation, "prepare", lambda target, prompts, **kw: types.SimpleNamespace(
@@ -77,3 +78,10 @@ def test_call_costs_split_calls_into_rounds_and_a_fixed_part(monkeypatch):
   out = costs.call_costs(None, [[1]], dict(max_new_tokens=8, drafter="ngram"),
                          dict(max_new_tokens=8), repeats=1)
   assert out["rounds_timed"] == 2 and out["round"] == 2.0 and out["fixed_method"] == 1.0
+  # Every row stopped (EOS) after 5 of the 8 target-only rounds asked: t_b = (9 - 2) / 4.
+  walls["m"] = {1: [3.0], 2: [5.0]}
+  walls["b"] = {1: [2.0], 8: [9.0]}
+  ran[("b", 8)] = 5
+  out = costs.call_costs(None, [[1]], dict(max_new_tokens=8, drafter="ngram"),
+                         dict(max_new_tokens=8), repeats=1)
+  assert out["round_baseline_s"] == 7 / 4 and out["fixed_baseline"] == (2 - 7 / 4) / (7 / 4)

@@ -63,7 +63,7 @@ def test_policy_and_rule_axes(tmp_path):
   cfg = sweep_config.get_config("smoke")
   cfg.drafter, cfg.trees, cfg.temperature, cfg.gamma = ("ngram",), (), (1.0,), (3,)
   cfg.gamma_policy, cfg.verify_rule = ("fixed", "ledger"), ("exact", "typical")
-  # Off in the smoke config. 32 tokens: rounds enough to time past the host's jitter.
+  # Off in the smoke config. 48 tokens: rounds enough to time past the host's jitter.
   cfg.call_costs, cfg.max_new_tokens = True, 48
   # The axes, not the shipped pair (the smoke sweep runs that): a tiny target compiles fast.
   target = tiny_model(vocab=16, n_layers=2, seed=3, sharpness=1.5)
