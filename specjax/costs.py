@@ -250,12 +250,6 @@ def round_timer(prepared, rounds: int = 16) -> Callable[[], float]:
   return loop_timer(loop, state, calls=rounds)
 
 
-def round_cost(prepared, rounds: int = 16, repeats: int = 3) -> float:
-  """Seconds per decode round (`round_timer`, best of repeats)."""
-  run = round_timer(prepared, rounds)
-  return min(run() for _ in range(repeats))
-
-
 # `specjax.generate`'s defaults for the arguments `prepare` requires.
 GENERATE_DEFAULTS = dict(temperature=0.0, top_k=0, top_p=1.0, eos_id=None)
 
