@@ -110,7 +110,8 @@ def forward_timer(model, batch: int, tokens_per_call: int, context: int = 128,
       return new_kv.rollback(kv.length), jnp.argmax(logits, -1).astype(jnp.int32)
     return jax.lax.fori_loop(0, iters, body, (kv, tokens))
 
-  kv = kv_cache.init_kv(model.config, batch, cache_size)
+  # The cache in the weights' dtype, as `decode.prefill` keeps it.
+  kv = kv_cache.init_kv(model.config, batch, cache_size, model_lib.compute_dtype(model.params))
   kv = kv.rollback(jnp.full((batch,), context, jnp.int32))
   tokens = jnp.zeros((batch, tokens_per_call), jnp.int32)
   return loop_timer(loop, model.params, kv, tokens, calls=iters)
