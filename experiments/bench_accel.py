@@ -44,6 +44,9 @@ _SMALL = flags.DEFINE_bool("small", False, "Tiny shapes and grids (a CPU check o
 _BUDGET = flags.DEFINE_float("budget_s", 420.0, "Skip stages that would start after this.")
 _STAGES = flags.DEFINE_list("stages", ["machine", "bandwidth", "synthetic", "shipped"],
                             "Stages to run, in order.")
+_SYN_BATCHES = flags.DEFINE_list("synthetic_batches", ["1", "8"], "Batch sizes of 'synthetic'.")
+_SYN_PAIR = flags.DEFINE_list("synthetic_pair", ["tinyllama-1.1b", "llama-68m"],
+                              "Target and draft shapes of 'synthetic' (keys of SHAPES).")
 _RESERVE = flags.DEFINE_float("shipped_reserve_s", 120.0,
                               "Seconds of the budget the synthetic grid leaves for 'shipped'.")
 
@@ -146,15 +149,19 @@ def stage_shipped(small: bool) -> dict:
 
 def stage_synthetic(small: bool, deadline: float) -> dict:
   shapes = SMALL_SHAPES if small else SHAPES
-  target = synthetic.random_model(shapes["tinyllama-1.1b"], "bfloat16", 0)
-  draft = synthetic.random_model(shapes["llama-68m"], "bfloat16", 1)
+  target_shape, draft_shape = _SYN_PAIR.value
+  draft_kwargs = dict(shapes[draft_shape], vocab_size=shapes[target_shape]["vocab_size"])
+  target = synthetic.random_model(shapes[target_shape], "bfloat16", 0)
+  draft = synthetic.random_model(draft_kwargs, "bfloat16", 1)
   cfg = types.SimpleNamespace(max_new_tokens=32 if small else 128, temperature=1.0, seed=0,
                               pairs=2 if small else 3)
   prompt_tokens = 32 if small else 128
   prompts = jax.random.randint(jax.random.PRNGKey(0), (8, prompt_tokens), 0,
                                target.config.vocab_size).tolist()
   rows, skipped = [], []
-  for batch, n, gammas in ((1, 2 if small else 4, (2, 4, 8)), (8, 8, (2, 4))):
+  grid = {1: (2 if small else 4, (2, 4, 8)), 8: (8, (2, 4))}
+  for batch in map(int, _SYN_BATCHES.value):
+    n, gammas = grid[batch]
     for gamma in gammas:
       if time.monotonic() > deadline:
         skipped.append({"batch": batch, "gamma": gamma})
@@ -166,7 +173,7 @@ def stage_synthetic(small: bool, deadline: float) -> dict:
         row["target_step_ms"] = step["target_step_s"] * 1e3
         rows.append(row)
         print(json.dumps(row), flush=True)
-  return {"rows": rows, "skipped_past_budget": skipped}
+  return {"pair": [target_shape, draft_shape], "rows": rows, "skipped_past_budget": skipped}
 
 
 def _version(module: str) -> str | None:
