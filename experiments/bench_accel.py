@@ -39,17 +39,6 @@ from specjax import costs
 from specjax.models import model as model_lib
 from specjax.models.pretrained import load_pretrained
 
-_OUT = flags.DEFINE_string("out", "runs/accel", "Where accel.json and summary.md go.")
-_SMALL = flags.DEFINE_bool("small", False, "Tiny shapes and grids (a CPU check of the script).")
-_BUDGET = flags.DEFINE_float("budget_s", 420.0, "Skip stages that would start after this.")
-_STAGES = flags.DEFINE_list("stages", ["machine", "bandwidth", "synthetic", "shipped"],
-                            "Stages to run, in order.")
-_SYN_BATCHES = flags.DEFINE_list("synthetic_batches", ["1", "8"], "Batch sizes of 'synthetic'.")
-_SYN_PAIR = flags.DEFINE_list("synthetic_pair", ["tinyllama-1.1b", "llama-68m"],
-                              "Target and draft shapes of 'synthetic' (keys of SHAPES).")
-_RESERVE = flags.DEFINE_float("shipped_reserve_s", 120.0,
-                              "Seconds of the budget the synthetic grid leaves for 'shipped'.")
-
 # Datasheet HBM bandwidth (GB/s) by jax's device_kind; the measured copy is the other ceiling.
 PEAK_GBPS = {"NVIDIA H200": 4800, "NVIDIA H100 80GB HBM3": 3350, "NVIDIA H100 PCIe": 2000,
              "NVIDIA A100-SXM4-80GB": 2039, "NVIDIA A100-SXM4-40GB": 1555,
@@ -147,9 +136,10 @@ def stage_shipped(small: bool) -> dict:
   return {"prompts": n_prompts, "max_new_tokens": new, "rows": rows}
 
 
-def stage_synthetic(small: bool, deadline: float) -> dict:
+def stage_synthetic(small: bool, deadline: float, batches=(1, 8),
+                    pair=("tinyllama-1.1b", "llama-68m")) -> dict:
   shapes = SMALL_SHAPES if small else SHAPES
-  target_shape, draft_shape = _SYN_PAIR.value
+  target_shape, draft_shape = pair
   draft_kwargs = dict(shapes[draft_shape], vocab_size=shapes[target_shape]["vocab_size"])
   target = synthetic.random_model(shapes[target_shape], "bfloat16", 0)
   draft = synthetic.random_model(draft_kwargs, "bfloat16", 1)
@@ -160,7 +150,7 @@ def stage_synthetic(small: bool, deadline: float) -> dict:
                                target.config.vocab_size).tolist()
   rows, skipped = [], []
   grid = {1: (2 if small else 4, (2, 4, 8)), 8: (8, (2, 4))}
-  for batch in map(int, _SYN_BATCHES.value):
+  for batch in map(int, batches):
     n, gammas = grid[batch]
     for gamma in gammas:
       if time.monotonic() > deadline:
@@ -218,15 +208,30 @@ def summary(res: dict) -> str:
   return "\n".join(lines) + "\n"
 
 
+def define_flags():
+  """The app's flags, defined only when it runs (tests import the module beside others)."""
+  flags.DEFINE_string("out", "runs/accel", "Where accel.json and summary.md go.")
+  flags.DEFINE_bool("small", False, "Tiny shapes and grids (a CPU check of the script).")
+  flags.DEFINE_float("budget_s", 420.0, "Skip stages that would start after this.")
+  flags.DEFINE_list("stages", ["machine", "bandwidth", "synthetic", "shipped"],
+                    "Stages to run, in order.")
+  flags.DEFINE_list("synthetic_batches", ["1", "8"], "Batch sizes of 'synthetic'.")
+  flags.DEFINE_list("synthetic_pair", ["tinyllama-1.1b", "llama-68m"],
+                    "Target and draft shapes of 'synthetic' (keys of SHAPES).")
+  flags.DEFINE_float("shipped_reserve_s", 120.0,
+                    "Seconds of the budget the synthetic grid leaves for 'shipped'.")
+
+
 def main(argv):
   del argv
+  f = flags.FLAGS
   start = time.monotonic()
-  deadline = start + _BUDGET.value
-  out = Path(_OUT.value)
+  deadline = start + f.budget_s
+  out = Path(f.out)
   out.mkdir(parents=True, exist_ok=True)
   res: dict = {}
-  small = _SMALL.value
-  for stage in _STAGES.value:
+  small = f.small
+  for stage in f.stages:
     if time.monotonic() > deadline:
       res[stage] = {"error": "skipped: past --budget_s"}
       continue
@@ -240,8 +245,9 @@ def main(argv):
       elif stage == "shipped":
         res[stage] = stage_shipped(small)
       elif stage == "synthetic":
-        later = _STAGES.value[_STAGES.value.index(stage):]
-        res[stage] = stage_synthetic(small, deadline - _RESERVE.value * ("shipped" in later))
+        later = f.stages[f.stages.index(stage):]
+        res[stage] = stage_synthetic(small, deadline - f.shipped_reserve_s * ("shipped" in later),
+                                     f.synthetic_batches, f.synthetic_pair)
       else:
         raise ValueError(f"unknown stage {stage!r}")
     except Exception as e:  # noqa: BLE001 - one broken stage must not lose the others
@@ -255,4 +261,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)
