@@ -67,7 +67,8 @@ def paired_generate(target, prompts, batch_size: int, pairs: int, method: dict,
                     baseline: dict) -> dict:
   """Times `generate(**method)` against `generate(**baseline)`, alternately, on all prompts.
 
-  One warm-up pass of each compiles (every batch has one shape). Returns both sides'
+  One warm-up pass of each compiles (every batch has one shape); batch i uses seed + i.
+  Returns both sides'
   merged stats, tokens and median tokens/s, and the paired speedup (median ratio of
   baseline time to method time, with its min and max).
   """
@@ -75,8 +76,14 @@ def paired_generate(target, prompts, batch_size: int, pairs: int, method: dict,
   outputs = {}
 
   def runner(name, kwargs):
+    # Batch i draws with seed + i (both sides alike): one seed for every batch would give
+    # each batch the same random stream, and a rule that ignores the tokens (synthetic)
+    # the same acceptances, so the batches would not be independent samples.
+    seed = kwargs.get("seed", 0)
+
     def run():
-      outputs[name] = [specjax.generate(target, b, **kwargs) for b in batches]
+      outputs[name] = [specjax.generate(target, b, **dict(kwargs, seed=seed + i))
+                       for i, b in enumerate(batches)]
     return run
 
   timing = costs.paired(runner("method", method), runner("baseline", baseline), pairs=pairs)

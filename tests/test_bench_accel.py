@@ -25,3 +25,22 @@ def test_summary_keeps_finished_stages_and_names_a_failed_one():
   text = bench_accel.summary(res)
   assert "| t | 2.00B | 1.00 | 100 | 50% | – | – | – | 1.25 | – |" in text
   assert "stage shipped failed: RuntimeError: out of memory" in text
+
+
+def test_paired_generate_gives_each_batch_its_own_seed(monkeypatch):
+  from experiments import common
+  seeds = []
+
+  class Stop(Exception):
+    pass
+
+  def fake_generate(target, batch, **kwargs):
+    seeds.append(kwargs["seed"])
+    if len(seeds) == 3:
+      raise Stop
+  monkeypatch.setattr(common.specjax, "generate", fake_generate)
+  try:
+    common.paired_generate(None, [[1], [2], [3]], 1, 1, method=dict(seed=5), baseline={})
+  except Stop:
+    pass
+  assert seeds == [5, 6, 7]

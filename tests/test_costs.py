@@ -85,3 +85,13 @@ def test_call_costs_split_calls_into_rounds_and_a_fixed_part(monkeypatch):
   out = costs.call_costs(None, [[1]], dict(max_new_tokens=8, drafter="ngram"),
                          dict(max_new_tokens=8), repeats=1)
   assert out["round_baseline_s"] == 7 / 4 and out["fixed_baseline"] == (2 - 7 / 4) / (7 / 4)
+
+
+def test_forward_timer_keeps_the_cache_in_the_weights_dtype():
+  import jax.numpy as jnp
+  from experiments import synthetic
+  model = synthetic.random_model(dict(vocab_size=64, d_model=32, n_layers=1, n_heads=2,
+                                      d_ff=64, max_len=64), "bfloat16", 0)
+  run = costs.forward_timer(model, 1, 2, context=8, iters=1)
+  kv = run.args[1]
+  assert kv.k[0].dtype == jnp.bfloat16 and kv.v[0].dtype == jnp.bfloat16
