@@ -44,6 +44,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from specjax import costs  # noqa: E402
+from specjax.models import cpu_kernels  # noqa: E402
 from specjax.models import kv_cache  # noqa: E402
 from specjax.models import model as model_lib  # noqa: E402
 from specjax.models.pretrained import load_pretrained  # noqa: E402
@@ -59,9 +60,13 @@ _ITERS = flags.DEFINE_integer("iters", 64, "Calls per timed loop.")
 _PAIRS = flags.DEFINE_integer("pairs", 7, "Timed rounds after one warm-up round.")
 _TRACE = flags.DEFINE_bool("trace", True, "Print the in-situ per-op table (jax.profiler).")
 _OPS = flags.DEFINE_bool("ops", True, "Print the per-op table of pieces timed alone.")
-_COMPARE = flags.DEFINE_bool("compare", True, "Pair every pass with row by row off "
-                             "(model.CPU_ROWWISE_MAX_ROWS = 0: projections and attention over "
-                             "the cache take the rows together).")
+_COMPARE = flags.DEFINE_bool("compare", True, "Pair every pass with the same pass with "
+                             "--off turned off.")
+_OFF = flags.DEFINE_enum("off", "kernels", ["kernels", "rowwise"], "What --compare turns "
+                         "off: kernels = specjax's few-row CPU kernels (cpu_kernels.ENABLED = "
+                         "False: the row-by-row XLA products of before); rowwise = both, and "
+                         "row by row (model.CPU_ROWWISE_MAX_ROWS = 0: XLA's own products "
+                         "with the rows together).")
 _ROWWISE = flags.DEFINE_integer("rowwise_max_rows", None, "Override "
                                 "model.CPU_ROWWISE_MAX_ROWS for everything timed.")
 _FLOOR = flags.DEFINE_integer("floor_tokens", 64, "Also time a pass of this many tokens "
@@ -69,14 +74,15 @@ _FLOOR = flags.DEFINE_integer("floor_tokens", 64, "Also time a pass of this many
 
 
 @contextlib.contextmanager
-def rowwise_max(rows: int):
-  """Traces inside the block use `model.CPU_ROWWISE_MAX_ROWS = rows` (timers compile here)."""
-  saved = model_lib.CPU_ROWWISE_MAX_ROWS
-  model_lib.CPU_ROWWISE_MAX_ROWS = rows
+def rowwise_max(rows: int, kernels: bool = True):
+  """Traces inside the block use `model.CPU_ROWWISE_MAX_ROWS = rows` and
+  `cpu_kernels.ENABLED = kernels` (timers lay out and compile here)."""
+  saved = model_lib.CPU_ROWWISE_MAX_ROWS, cpu_kernels.ENABLED
+  model_lib.CPU_ROWWISE_MAX_ROWS, cpu_kernels.ENABLED = rows, kernels
   try:
     yield
   finally:
-    model_lib.CPU_ROWWISE_MAX_ROWS = saved
+    model_lib.CPU_ROWWISE_MAX_ROWS, cpu_kernels.ENABLED = saved
 
 
 def cpu_model() -> str:
@@ -333,7 +339,9 @@ def main(argv):
   sides = ["now"] + (["off"] if _COMPARE.value else [])
   fwd = {}
   for side in sides:
-    with rowwise_max(0 if side == "off" else model_lib.CPU_ROWWISE_MAX_ROWS):
+    off = side == "off"
+    with rowwise_max(0 if off and _OFF.value == "rowwise" else model_lib.CPU_ROWWISE_MAX_ROWS,
+                     kernels=not off):
       for t in [1] + [g + 1 for g in gammas]:
         fwd[side, t] = forward_timer(model, batch, t, context, cache, iters)
   one = {(side, g): [] for side in sides for g in gammas}

@@ -303,6 +303,15 @@ def prefill(engine: Engine, weights: Weights, tokens, prompt_len, prompt_width, 
       **engine.policy.init_state(batch, engine.gamma))
 
 
+def cpu_layout(engine: Engine, weights: Weights) -> Weights:
+  """Both parameter sets as `model.cpu_layout` lays them out (unchanged off a CPU, and
+  on a mesh, whose rows stay together)."""
+  if engine.mesh is not None:
+    return weights
+  return Weights(target=model_lib.cpu_layout(weights.target),
+                 draft=model_lib.cpu_layout(weights.draft))
+
+
 # `decode`'s round limit when none is given: every row runs until it is done.
 NO_ROUND_LIMIT = 2 ** 31 - 1
 
@@ -325,6 +334,8 @@ def decode(engine: Engine, prompt_width: int, cache_size: int, weights: Weights,
   """Prefill + every round (at most max_rounds), compiled once per (engine, shapes)."""
   # On a mesh the batch is split over devices: no row-by-row CPU matmuls (`model.rowwise`).
   with model_lib.whole_rows(engine.mesh is not None):
+    # Once per call, outside the loop: XLA does not hoist the copy out of it.
+    weights = cpu_layout(engine, weights)
     state = prefill(engine, weights, tokens, prompt_len, prompt_width, cache_size, key,
                     sampling)
     return run_loop(engine, weights, sharding.constrain(engine, state), sampling,

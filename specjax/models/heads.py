@@ -108,8 +108,8 @@ class EagleHead(_Readout):
     # normalised before they are fused, so neither half starts 50x too weak to learn from.
     self.feature_norm = model_lib._norm(hc.target, rngs)
     self.token_norm = model_lib._norm(hc.target, rngs)
-    self.fuse = nnx.Linear(2 * d, d, use_bias=True, rngs=rngs,
-                           kernel_init=nnx.initializers.normal(0.02))
+    self.fuse = model_lib.Dense(2 * d, d, use_bias=True, rngs=rngs,
+                                kernel_init=nnx.initializers.normal(0.02))
     self.layer = model_lib.Block(hc.layer_config, rngs)
 
   def __call__(self, features, next_tokens, positions, cache=None, read_cache=True):
@@ -130,7 +130,7 @@ class MedusaHead(_Readout):
     self._init_shared(hc.target, rngs)
     # Zero init: every head starts as the target's own next-token prediction.
     self.heads = nnx.List([
-        nnx.Linear(d, d, use_bias=True, rngs=rngs, kernel_init=nnx.initializers.zeros)
+        model_lib.Dense(d, d, use_bias=True, rngs=rngs, kernel_init=nnx.initializers.zeros)
         for _ in range(hc.medusa_heads)])
 
   def __call__(self, features):

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from specjax.models import cpu_kernels
 from specjax.models import kv_cache
 from specjax.models import quantization
 from specjax.models.config import ModelConfig
@@ -93,10 +94,55 @@ def rowwise(fn, x: jax.Array) -> jax.Array:
 
 
 class Dense(nnx.Linear):
-  """nnx.Linear, computed `rowwise`: same parameters, same results."""
+  """nnx.Linear, computed `rowwise`; over CPU panels (`cpu_layout`), by specjax's kernels."""
 
   def __call__(self, x):
+    kernel = self.kernel[...]
+    if kernel.ndim == 3:  # panels [N / 16, K, 16]
+      y = _panel_product(x, kernel)
+      return y if self.bias is None else y + self.bias[...]
     return rowwise(super().__call__, x)
+
+
+def _few_rows(x) -> tuple[int, bool]:
+  rows = int(np.prod(x.shape[:-1]))
+  return rows, rows <= CPU_ROWWISE_MAX_ROWS and not _WHOLE_ROWS.get()
+
+
+def _panel_product(x, panels):
+  """x [..., K] times the [K, N] weight laid out as `panels` -> float32 [..., N]."""
+  rows, few = _few_rows(x)
+  n = panels.shape[0] * panels.shape[2]
+  flat = x.reshape(rows, x.shape[-1]).astype(jnp.float32)
+  if few:
+    y = cpu_kernels.panel_matmul(flat, panels)
+  else:  # a prefill: XLA's own multiply over the panels
+    y = jnp.einsum("rk,pkc->rpc", flat, panels).reshape(rows, n)
+  return y.reshape(x.shape[:-1] + (n,))
+
+
+def cpu_layout(params: Params) -> Params:
+  """On a CPU with specjax's kernels (`cpu_kernels.available`), every float32 Dense
+  kernel as panels [N / 16, K, 16]; params unchanged otherwise.
+
+  A forward over the result multiplies 1..CPU_ROWWISE_MAX_ROWS rows with the few-row
+  kernels (each weight read once for all rows, the columns split over two threads) and
+  the tied LM head with `cpu_kernels.rows_dot`. Call it inside the compiled program,
+  once, outside any loop (`decode.decode`, `costs.forward_timer`): the panels are a
+  copy of the weights, laid out per call.
+  """
+  if _WHOLE_ROWS.get() or not cpu_kernels.available():
+    return params
+
+  def lay(path, leaf):
+    name = getattr(path[-1], "key", None)
+    return cpu_kernels.pack(leaf) if name == "kernel" and cpu_kernels.packable(leaf) else leaf
+
+  return jax.tree_util.tree_map_with_path(lay, params)
+
+
+def _uses_panels(module) -> bool:
+  return module.blocks[0].attn.qkv.kernel[...].ndim == 3
 
 
 def _dense(rngs, d_in, d_out, bias, std):
@@ -223,7 +269,11 @@ class Transformer(nnx.Module):
         vs.append(new_cache[1])
     features = x
     x = self.final_norm(x)
-    if self.cfg.tie_embeddings:
+    if self.cfg.tie_embeddings and _uses_panels(self) and _few_rows(x)[1]:
+      flat = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+      logits = cpu_kernels.rows_dot(flat, self.embed.embedding[...]).reshape(
+          x.shape[:-1] + (-1,))
+    elif self.cfg.tie_embeddings:
       logits = rowwise(self.embed.attend, x)
     else:
       logits = self.lm_head(x)

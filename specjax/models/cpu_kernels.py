@@ -1,0 +1,148 @@
+"""Few-row matrix products for XLA:CPU (`fewrow.cc`), built with the system C++ compiler.
+
+A decode step multiplies 1 row by each weight matrix, a verify pass γ+1 rows. XLA:CPU
+runs one row as a matrix-vector product and 2..9 rows as a general multiply that
+repacks the weights on every call, so on the shipped target a 5-token pass cost 2-3
+1-token steps although its extra arithmetic is a fraction of one
+(docs/ARCHITECTURE.md, "Why the verify pass costs what it does on a CPU"). These
+kernels read each weight element once, from panels laid out once per call by `pack`,
+and use it for every row; the columns are split between the calling thread and one
+XLA pool thread.
+
+The library is compiled on first use (a few seconds) into a cache directory
+($SPECJAX_CACHE_DIR, else ~/.cache/specjax) under a name that hashes the source, the
+jaxlib version and the CPU, and loaded from there afterwards. Without a compiler, or
+with SPECJAX_CPU_KERNELS=0, `available()` is False and the models keep XLA's own
+products; results differ only in the order of float additions.
+"""
+
+import ctypes
+import functools
+import hashlib
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+
+PANEL = 16  # columns per panel (fewrow.cc kPanel)
+# Read when a forward is traced (`model.cpu_layout`): False keeps XLA's products.
+ENABLED = True
+SOURCE = pathlib.Path(__file__).with_name("fewrow.cc")
+_TARGETS = {"specjax_panel_matmul": "SpecjaxPanelMatmul", "specjax_rows_dot": "SpecjaxRowsDot"}
+
+
+def _cpu_id() -> str:
+  """What -march=native compiles for: the model name and the feature flags."""
+  try:
+    lines = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+    keep = [l for l in lines if l.startswith(("model name", "flags", "Features"))]
+    return "\n".join(sorted(set(keep)))
+  except OSError:
+    return platform.processor() or platform.machine()
+
+
+def _flags():
+  return ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w",
+          f"-I{jax.ffi.include_dir()}"]
+
+
+def library_path() -> pathlib.Path:
+  key = hashlib.sha256("\0".join(
+      [SOURCE.read_text(), jaxlib.__version__, _cpu_id()] + _flags()[:-1]).encode())
+  root = os.environ.get("SPECJAX_CACHE_DIR") or os.path.join(
+      os.path.expanduser("~"), ".cache", "specjax")
+  return pathlib.Path(root) / f"fewrow-{key.hexdigest()[:16]}.so"
+
+
+def _build(path: pathlib.Path) -> None:
+  compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+  if compiler is None:
+    raise RuntimeError("no C++ compiler (set CXX, or install g++)")
+  path.parent.mkdir(parents=True, exist_ok=True)
+  # Build beside the target and rename: concurrent processes (pytest-xdist) never load
+  # a half-written library.
+  fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+  os.close(fd)
+  try:
+    done = subprocess.run([compiler, *_flags(), str(SOURCE), "-o", tmp],
+                          capture_output=True, text=True, timeout=300)
+    if done.returncode:
+      raise RuntimeError(f"{compiler} failed on {SOURCE.name}:\n{done.stderr[-2000:]}")
+    os.replace(tmp, path)
+  finally:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+
+
+@functools.cache
+def _load():
+  """(True, path) once built, loaded and registered; (False, why) otherwise."""
+  if os.environ.get("SPECJAX_CPU_KERNELS", "1") == "0":
+    return False, "turned off by SPECJAX_CPU_KERNELS=0"
+  try:
+    path = library_path()
+    if not path.exists():
+      _build(path)
+    lib = ctypes.cdll.LoadLibrary(str(path))
+    for name, symbol in _TARGETS.items():
+      jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)),
+                                  platform="cpu")
+    return True, str(path)
+  except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+    warnings.warn(f"specjax CPU kernels unavailable, using XLA's products: {e}")
+    return False, str(e)
+
+
+def available() -> bool:
+  """Whether the kernels are used: ENABLED, a CPU backend and a built library (built here)."""
+  return ENABLED and jax.default_backend() == "cpu" and _load()[0]
+
+
+def status() -> str:
+  """The library's path, or why the kernels are not used."""
+  if jax.default_backend() != "cpu":
+    return f"not used on {jax.default_backend()}"
+  return _load()[1]
+
+
+def packable(w) -> bool:
+  return w.ndim == 2 and w.dtype == jnp.float32 and w.shape[1] % PANEL == 0
+
+
+def pack(w: jax.Array) -> jax.Array:
+  """[K, N] -> panels [N / 16, K, 16]: panel p holds columns 16p..16p+15, row by row."""
+  k, n = w.shape
+  return w.reshape(k, n // PANEL, PANEL).transpose(1, 0, 2)
+
+
+def unpack(panels: jax.Array) -> jax.Array:
+  p, k, c = panels.shape
+  return panels.transpose(1, 0, 2).reshape(k, p * c)
+
+
+def _require():
+  ok, why = _load()
+  if not ok:
+    raise RuntimeError(f"specjax CPU kernels unavailable: {why}")
+
+
+def panel_matmul(x: jax.Array, panels: jax.Array) -> jax.Array:
+  """x [R, K] float32 · W for W = unpack(panels) [K, N] -> [R, N]."""
+  _require()
+  n = panels.shape[0] * panels.shape[2]
+  return jax.ffi.ffi_call("specjax_panel_matmul",
+                          jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(x, panels)
+
+
+def rows_dot(x: jax.Array, w: jax.Array) -> jax.Array:
+  """x [R, K] float32 · Wᵀ for W [N, K] (an embedding as the LM head) -> [R, N]."""
+  _require()
+  return jax.ffi.ffi_call("specjax_rows_dot",
+                          jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))(x, w)

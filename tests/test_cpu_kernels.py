@@ -1,0 +1,113 @@
+"""specjax's few-row CPU kernels compute XLA's products, and a forward over their layout
+is the forward."""
+
+import os
+import subprocess
+import sys
+from unittest import mock
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+
+from specjax.models import cpu_kernels
+from specjax.models import kv_cache
+from specjax.models import model as model_lib
+from conftest import tiny_model
+
+
+def _rand(key, shape):
+  return jax.random.normal(jax.random.PRNGKey(key), shape, jnp.float32)
+
+
+class KernelTest(parameterized.TestCase):
+
+  def test_built_and_registered(self):
+    # The CI machines have a C++ compiler: there the kernels must be in use.
+    self.assertTrue(cpu_kernels.available(), cpu_kernels.status())
+
+  @parameterized.parameters(1, 2, 5, 6, 7, 9, 13)
+  def test_panel_matmul_is_the_product(self, rows):
+    # K = 37: no multiple of the vector width; N = 80: five panels (chunks of unequal size).
+    x, w = _rand(0, (rows, 37)), _rand(1, (37, 80))
+    got = jax.jit(cpu_kernels.panel_matmul)(x, cpu_kernels.pack(w))
+    np.testing.assert_allclose(got, np.asarray(x) @ np.asarray(w), rtol=1e-5, atol=1e-5)
+
+  @parameterized.parameters(1, 3, 6, 9)
+  def test_rows_dot_is_the_product(self, rows):
+    # N = 37 rows of W (an odd count: the last pair is a single row), K = 21 (a tail).
+    x, w = _rand(2, (rows, 21)), _rand(3, (37, 21))
+    got = jax.jit(cpu_kernels.rows_dot)(x, w)
+    np.testing.assert_allclose(got, np.asarray(x) @ np.asarray(w).T, rtol=1e-5, atol=1e-5)
+
+  def test_a_row_does_not_depend_on_the_others(self):
+    # Greedy speculative output equals greedy decoding only if the verify pass gives each
+    # row the bits a 1-token step gives it: same kernel, same order of additions.
+    x, w, e = _rand(4, (9, 64)), _rand(5, (64, 96)), _rand(6, (50, 64))
+    panels = cpu_kernels.pack(w)
+    for fn, arg in ((cpu_kernels.panel_matmul, panels), (cpu_kernels.rows_dot, e)):
+      together = jax.jit(fn)(x, arg)
+      alone = jnp.concatenate([jax.jit(fn)(x[i:i + 1], arg) for i in range(9)])
+      np.testing.assert_array_equal(together, alone)
+
+  def test_pack_round_trip(self):
+    w = _rand(7, (5, 32))
+    np.testing.assert_array_equal(cpu_kernels.unpack(cpu_kernels.pack(w)), w)
+    self.assertFalse(cpu_kernels.packable(w[:, :24]))  # 24 columns: not whole panels
+    self.assertFalse(cpu_kernels.packable(w.astype(jnp.bfloat16)))
+
+  def test_a_failed_build_names_the_compiler_and_the_error(self):
+    with mock.patch.dict(os.environ, {"CXX": sys.executable}):
+      with self.assertRaisesRegex(RuntimeError, "failed on fewrow.cc"):
+        cpu_kernels._build(cpu_kernels.library_path().with_name("never.so"))
+
+  def test_turned_off_by_the_environment(self):
+    # A fresh process: the library is loaded once per process.
+    code = ("from specjax.models import cpu_kernels as c; "
+            "print(c.available(), c.status())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "SPECJAX_CPU_KERNELS": "0"}, check=True)
+    self.assertIn("False turned off by SPECJAX_CPU_KERNELS=0", out.stdout)
+
+
+CONFIGS = {
+    "gpt2": dict(vocab=16, d_model=32, n_layers=2, n_heads=4),
+    "llama_gqa": dict(vocab=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, llama=True),
+}
+
+
+class LayoutTest(parameterized.TestCase):
+
+  def test_every_dense_kernel_is_laid_out(self):
+    model = tiny_model(**CONFIGS["llama_gqa"])
+    laid = model_lib.cpu_layout(model.params)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(laid):
+      if path[-1].key == "kernel":
+        self.assertEqual(leaf.ndim, 3, path)
+    with mock.patch.object(cpu_kernels, "ENABLED", False):
+      chex.assert_trees_all_equal(model_lib.cpu_layout(model.params), model.params)
+
+  @parameterized.named_parameters(
+      [(f"{name}_{'_'.join(map(str, chunks))}", name, chunks)
+       for name in CONFIGS for chunks in [(1,) * 12, (4, 1, 5, 2), (12,)]])
+  def test_cached_forward_over_the_layout_is_the_forward(self, name, chunks):
+    model = tiny_model(**CONFIGS[name])
+    laid = model_lib.cpu_layout(model.params)
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 12), 0, 16)
+    full = model.logits(tokens)
+    # 12 rows of batch 2: a pass of up to 9 rows runs the kernels, more XLA's product.
+    np.testing.assert_allclose(model_lib.forward_jit(model.graphdef, laid, tokens), full,
+                               rtol=2e-5, atol=2e-5)
+    fn = jax.jit(model_lib.forward_cached, static_argnums=0)
+    kv, outs, start = kv_cache.init_kv(model.config, 2, 32), [], 0
+    for size in chunks:
+      logits, kv = fn(model.graphdef, laid, tokens[:, start:start + size], kv)
+      outs.append(logits)
+      start += size
+    np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, rtol=2e-5, atol=2e-5)
+
+
+if __name__ == "__main__":
+  absltest.main()
