@@ -200,10 +200,12 @@ def classify_thunks(hlo_text: str, cfg, cache_size: int) -> dict[str, str]:
       frozenset({cfg.vocab_size, d}): "LM head",
   }
 
-  def dot_piece(rest):
+  def dot_piece(rest, panels=False):
     operands = re.findall(r"%([\w.\-]+)", rest.split(")")[0])
     for operand in operands:
       dims = _dims(shapes.get(operand, ""))
+      if panels and len(dims) == 3:  # specjax's panels [N / 16, K, 16] (cpu_kernels.pack)
+        dims = (dims[1], dims[0] * dims[2])
       if len(dims) == 2 and frozenset(dims) in weights:
         return weights[frozenset(dims)]
     return "attention dots"
@@ -214,8 +216,8 @@ def classify_thunks(hlo_text: str, cfg, cache_size: int) -> dict[str, str]:
     inner = comps.get(called.group(1), []) if called else []
     for sub in [name] + inner:
       sop, _, srest = instrs[sub]
-      if sop == "dot":
-        return dot_piece(srest)
+      if sop == "dot" or (sop == "custom-call" and "specjax_" in srest):
+        return dot_piece(srest, panels=sop == "custom-call")
     if op in ("scatter", "dynamic-update-slice") or "scatter" in name or \
         "dynamic-update-slice" in name:
       return "KV write"
@@ -249,7 +251,9 @@ def in_situ(timer, piece_of, iters, rounds=1):
 
 
 def ratio_text(num, den):
-  r = [a / b for a, b in zip(num, den)]
+  r = [a / b for a, b in zip(num, den) if b > 0]
+  if not r:  # a piece a T = 1 forward does not run (the same op may fall elsewhere there)
+    return "-"
   return f"{statistics.median(r):.2f} ({min(r):.2f}-{max(r):.2f})"
 
 

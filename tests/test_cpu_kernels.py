@@ -14,6 +14,7 @@ from absl.testing import absltest, parameterized
 
 from specjax.models import cpu_kernels
 from specjax.models import kv_cache
+from specjax.models import layers
 from specjax.models import model as model_lib
 from conftest import tiny_model
 
@@ -51,6 +52,24 @@ class KernelTest(parameterized.TestCase):
       together = jax.jit(fn)(x, arg)
       alone = jnp.concatenate([jax.jit(fn)(x[i:i + 1], arg) for i in range(9)])
       np.testing.assert_array_equal(together, alone)
+
+  @parameterized.parameters((1, 4, 2, 8), (5, 4, 4, 64), (3, 6, 2, 12))
+  def test_cached_attention_is_attend(self, t, h, kvh, d):
+    # GQA, a head size with a tail (12), a row with an empty cache, and stale NaN slots
+    # past each row's length, which the kernel must never read.
+    b, s = 3, 16
+    keys = jax.random.split(jax.random.PRNGKey(8), 5)
+    q = jax.random.normal(keys[0], (b, t, h, d))
+    k, v = (jax.random.normal(keys[i], (b, t, kvh, d)) for i in (1, 2))
+    length = jnp.array([4, 11, 0])
+    stale = jnp.arange(s)[None, None, :, None] >= length[:, None, None, None]
+    k_buf, v_buf = (jnp.where(stale, jnp.nan, jax.random.normal(keys[i], (b, kvh, s, d)))
+                    for i in (3, 4))
+    want = layers.attend(q, k, v, (k_buf, v_buf, length))
+    got = jax.jit(lambda *a: layers.attend(*a[:3], a[3:], cpu_kernel=True))(
+        q, k, v, k_buf, v_buf, length)
+    self.assertTrue(bool(jnp.all(jnp.isfinite(got))))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
   def test_pack_round_trip(self):
     w = _rand(7, (5, 32))

@@ -7,7 +7,8 @@ repacks the weights on every call, so on the shipped target a 5-token pass cost 
 (docs/ARCHITECTURE.md, "Why the verify pass costs what it does on a CPU"). These
 kernels read each weight element once, from panels laid out once per call by `pack`,
 and use it for every row; the columns are split between the calling thread and one
-XLA pool thread.
+XLA pool thread. `cached_attention` does the same for attention over the KV cache: it
+reads each valid cached key and value once for all new queries, and no stale slot.
 
 The library is compiled on first use (a few seconds) into a cache directory
 ($SPECJAX_CACHE_DIR, else ~/.cache/specjax) under a name that hashes the source, the
@@ -35,7 +36,8 @@ PANEL = 16  # columns per panel (fewrow.cc kPanel)
 # Read when a forward is traced (`model.cpu_layout`): False keeps XLA's products.
 ENABLED = True
 SOURCE = pathlib.Path(__file__).with_name("fewrow.cc")
-_TARGETS = {"specjax_panel_matmul": "SpecjaxPanelMatmul", "specjax_rows_dot": "SpecjaxRowsDot"}
+_TARGETS = {"specjax_panel_matmul": "SpecjaxPanelMatmul", "specjax_rows_dot": "SpecjaxRowsDot",
+            "specjax_cached_attention": "SpecjaxCachedAttention"}
 
 
 def _cpu_id() -> str:
@@ -146,3 +148,13 @@ def rows_dot(x: jax.Array, w: jax.Array) -> jax.Array:
   _require()
   return jax.ffi.ffi_call("specjax_rows_dot",
                           jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))(x, w)
+
+
+def cached_attention(q, k, v, k_buf, v_buf, length) -> jax.Array:
+  """`layers.attend` without a mask, float32: T new queries q [B, T, H, D] over the first
+  length[b] slots of k_buf, v_buf [B, KVH, S, D] and, causally, the T new k, v
+  [B, T, KVH, D] -> [B, T, H, D]. Only the valid slots are read."""
+  _require()
+  return jax.ffi.ffi_call("specjax_cached_attention",
+                          jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+                              q, k, v, k_buf, v_buf, length.astype(jnp.int32))

@@ -17,9 +17,11 @@
 // verify pass gets the bits a 1-token step would. Generic vectors (GCC / Clang) keep the
 // accumulators in registers; the build uses -march=native.
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <memory>
 #include <thread>
+#include <vector>
 #include <cstdint>
 #include <cstring>
 
@@ -122,29 +124,36 @@ void ByRowGroups(const Kernel* table, const float* x, const float* w, float* y,
   }
 }
 
-// The columns in chunks that the calling thread and one pool thread claim in turn. The
-// caller never waits for a chunk nobody has claimed, so a busy pool costs only speed;
-// a helper that starts late finds nothing left and touches no buffer.
-struct Split {
+// fn(i) for i in [0, n), claimed in turn by the calling thread and one pool thread.
+// The caller never waits for an item nobody has claimed, so a busy pool costs only
+// speed; a helper that starts late finds nothing left and touches no buffer.
+struct Claims {
   std::atomic<int64_t> next{0}, done{0};
 };
 
+template <typename F>
+void ForEach(ffi::ThreadPool& pool, int64_t n, F fn) {
+  auto claims = std::make_shared<Claims>();
+  auto work = [=]() {
+    for (int64_t i; (i = claims->next.fetch_add(1)) < n;) {
+      fn(i);
+      claims->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  if (n > 1 && pool.num_threads() > 1) pool.Schedule(decltype(work)(work));  // a copy
+  work();
+  // The helper may have been preempted mid-item (a loaded machine): yield, don't spin.
+  while (claims->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+}
+
+// The columns in 8 chunks of whole panels (or pairs).
 void Parallel(ffi::ThreadPool& pool, const Kernel* table, const float* x, const float* w,
               float* y, int64_t rows, int64_t K, int64_t N, int64_t align) {
   constexpr int64_t kChunks = 8;
   const int64_t chunk = std::max<int64_t>(align, (N / kChunks + align - 1) / align * align);
-  const int64_t chunks = (N + chunk - 1) / chunk;
-  auto split = std::make_shared<Split>();
-  auto work = [=]() {
-    for (int64_t c; (c = split->next.fetch_add(1)) < chunks;) {
-      ByRowGroups(table, x, w, y, rows, K, N, c * chunk, std::min(N, (c + 1) * chunk));
-      split->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  if (chunks > 1 && pool.num_threads() > 1) pool.Schedule(decltype(work)(work));  // a copy: Schedule takes ownership
-  work();
-  // The helper may have been preempted mid-chunk (a loaded machine): yield, don't spin.
-  while (split->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
+  ForEach(pool, (N + chunk - 1) / chunk, [=](int64_t c) {
+    ByRowGroups(table, x, w, y, rows, K, N, c * chunk, std::min(N, (c + 1) * chunk));
+  });
 }
 
 ffi::Error PanelMatmul(ffi::ThreadPool pool, Rows x, Panels3 wp, Out y) {
@@ -165,6 +174,88 @@ ffi::Error RowsDot(ffi::ThreadPool pool, Rows x, Rows e, Out y) {
   return ffi::Error::Success();
 }
 
+// Attention of T new queries over the first length[b] cached slots and the T new keys
+// (causal), for the G query heads that share each KV head. Reads only the valid slots,
+// and each cached key and value once for all T·G queries of its head.
+// Σ a[d] b[d] in eight lanes, then across them.
+inline float Dot(const float* a, const float* b, int64_t n) {
+  v8 acc{};
+  int64_t d = 0;
+  for (; d + 8 <= n; d += 8) acc += Load(a + d) * Load(b + d);
+  float s = 0.f;
+  for (int l = 0; l < 8; ++l) s += acc[l];
+  for (; d < n; ++d) s += a[d] * b[d];
+  return s;
+}
+
+// q, out [T, H, D] and kn, vn [T, KVH, D] of one row; kb, vb [len, D] of its head kh.
+void AttendHead(const float* q, const float* kn, const float* vn, const float* kb,
+                const float* vb, float* out, int64_t len, int64_t T, int64_t H,
+                int64_t KVH, int64_t D, int64_t kh, float* scores) {
+  const int64_t G = H / KVH, width = len + T, rows = T * G;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  // scores[(t * G + g) * width + j]: j < len a cached slot, len + u the new key u.
+  for (int64_t j = 0; j < width; ++j) {
+    const float* key = j < len ? kb + j * D : kn + ((j - len) * KVH + kh) * D;
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qv = q + (t * H + kh * G + g) * D;
+        scores[(t * G + g) * width + j] = Dot(qv, key, D) * scale;
+      }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = r / G, seen = len + t + 1;  // causal over the new keys
+    float* sc = scores + r * width;
+    float m = sc[0];
+    for (int64_t j = 1; j < seen; ++j) m = std::max(m, sc[j]);
+    float sum = 0.f;
+    for (int64_t j = 0; j < seen; ++j) sum += (sc[j] = std::exp(sc[j] - m));
+    const float inv = 1.f / sum;
+    for (int64_t j = 0; j < seen; ++j) sc[j] *= inv;
+    for (int64_t j = seen; j < width; ++j) sc[j] = 0.f;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = r / G, g = r % G;
+    float* o = out + (t * H + kh * G + g) * D;
+    for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
+  }
+  for (int64_t j = 0; j < width; ++j) {
+    const float* val = j < len ? vb + j * D : vn + ((j - len) * KVH + kh) * D;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float w = scores[r * width + j];
+      if (w == 0.f) continue;
+      const int64_t t = r / G, g = r % G;
+      float* o = out + (t * H + kh * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] += w * val[d];
+    }
+  }
+}
+
+using Heads = ffi::Buffer<ffi::F32, 4>;
+using Lengths = ffi::Buffer<ffi::S32, 1>;
+
+ffi::Error CachedAttention(ffi::ThreadPool pool, Heads q, Heads kn, Heads vn, Heads kb,
+                           Heads vb, Lengths length, ffi::ResultBuffer<ffi::F32, 4> out) {
+  const auto qd = q.dimensions(), bd = kb.dimensions();
+  const int64_t B = qd[0], T = qd[1], H = qd[2], D = qd[3], KVH = bd[1], S = bd[2];
+  if (kn.dimensions()[2] != KVH || bd[3] != D || H % KVH || length.dimensions()[0] != B)
+    return ffi::Error::InvalidArgument("SpecjaxCachedAttention: shapes do not match");
+  const float *qp = q.typed_data(), *knp = kn.typed_data(), *vnp = vn.typed_data();
+  const float *kbp = kb.typed_data(), *vbp = vb.typed_data();
+  const int32_t* lens = length.typed_data();
+  float* op = out->typed_data();
+  ForEach(pool, B * KVH, [=](int64_t unit) {
+    const int64_t b = unit / KVH, kh = unit % KVH;
+    const int64_t len = std::min<int64_t>(std::max<int32_t>(lens[b], 0), S);
+    std::vector<float> scores(T * (H / KVH) * (len + T));
+    const int64_t slots = ((b * KVH + kh) * S) * D;
+    AttendHead(qp + b * T * H * D, knp + b * T * KVH * D, vnp + b * T * KVH * D,
+               kbp + slots, vbp + slots, op + b * T * H * D, len, T, H, KVH, D, kh,
+               scores.data());
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxPanelMatmul, PanelMatmul,
@@ -179,3 +270,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxRowsDot, RowsDot,
                                   .Arg<Rows>()
                                   .Arg<Rows>()
                                   .Ret<Rows>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxCachedAttention, CachedAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Heads>()
+                                  .Arg<Heads>()
+                                  .Arg<Heads>()
+                                  .Arg<Heads>()
+                                  .Arg<Heads>()
+                                  .Arg<Lengths>()
+                                  .Ret<Heads>());

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.models import cpu_kernels
 from specjax.models.config import ModelConfig
 
 # On a CPU, a 1-token step's attention-weighted sum over the cached values is written with
@@ -66,7 +67,7 @@ def rope(x: jax.Array, positions: jax.Array, freqs) -> jax.Array:
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def attend(q, k, v, cache=None, mask=None, rows_apart=False):
+def attend(q, k, v, cache=None, mask=None, rows_apart=False, cpu_kernel=False):
   """Attention of T new queries over the cached keys plus the T new keys.
 
   q: [B, T, H, D]; k, v: [B, T, KVH, D] for the same T tokens; cache: optional
@@ -79,7 +80,11 @@ def attend(q, k, v, cache=None, mask=None, rows_apart=False):
   rows_apart: score and sum the cache for one query row at a time. For a few rows on a
   CPU each row then gets the 1-token step's kernels instead of a general multiply that
   packs the cache (`specjax.models.model.rowwise` does the same for the projections).
+  cpu_kernel: with a cache and no mask, specjax's CPU kernel (`cpu_kernels.cached_attention`).
   """
+  if cpu_kernel and cache is not None and mask is None:
+    out = cpu_kernels.cached_attention(q, k, v, *cache)
+    return out.reshape(q.shape[0], q.shape[1], -1)
   b, t, h, d = q.shape
   kvh = k.shape[2]
   qg = q.reshape(b, t, kvh, h // kvh, d) * (d ** -0.5)

@@ -188,7 +188,8 @@ class Attention(nnx.Module):
     if cache is None:
       return self.out(attend(q, k, v, mask=mask)), None
     out = attend(q, k, v, cache if read_cache else None, mask,
-                 rows_apart=t > 1 and _rows_apart(b * t))
+                 rows_apart=t > 1 and _rows_apart(b * t),
+                 cpu_kernel=self.qkv.kernel[...].ndim == 3)  # laid out by `cpu_layout`
     k_buf, v_buf, length = cache
     # The write depends on the attention output, so XLA must read the old buffers first
     # and may then update them in place; otherwise it copies both caches every step.
