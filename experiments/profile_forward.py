@@ -3,6 +3,7 @@ r"""Where the time of a cached forward goes, per op, for T new tokens; and v(γ)
   python -m experiments.profile_forward                     # stdlib-target, cache 256
   python -m experiments.profile_forward --tokens=1,2,5,9 --pairs=9 --max_gamma=8
   python -m experiments.profile_forward --rowwise_max_rows=0   # row by row off (projections, attention)
+  python -m experiments.profile_forward --rounds=none,ngram,model   # + decode rounds, kernels on / off
 
 Three tables, each from paired, interleaved timing (the machine is shared: nothing here
 is a ratio of two separate runs; each ratio is the median of per-round ratios, with its
@@ -19,8 +20,10 @@ min and max):
    here than in the whole pass. T = 1 is timed right before every other T.
 3. v(γ) = (γ+1)-token pass / 1-token step for γ = 1..max_gamma, with achieved GFLOP/s,
    each pass paired with a 1-token step; with --compare, also paired with the same pass
-   with row by row off (projections and attention); and the per-token cost of a long
-   pass (the compute-bound floor of one more verify token).
+   with --off turned off; and the per-token cost of a long pass (the compute-bound
+   floor of one more verify token).
+4. With --rounds: whole decode rounds (`costs.round_timer`: draft, verify, commit;
+   γ = 4, T = 0) of each listed drafter, the kernels on against off, paired.
 """
 
 from __future__ import annotations
@@ -69,6 +72,9 @@ _OFF = flags.DEFINE_enum("off", "kernels", ["kernels", "rowwise"], "What --compa
                          "with the rows together).")
 _ROWWISE = flags.DEFINE_integer("rowwise_max_rows", None, "Override "
                                 "model.CPU_ROWWISE_MAX_ROWS for everything timed.")
+_ROUNDS = flags.DEFINE_list("rounds", [], "Drafters (none, ngram, model) whose decode "
+                            "rounds, γ = 4, T = 0, are timed with the kernels on and off.")
+_DRAFT = flags.DEFINE_string("draft", "stdlib-draft", "Draft model for --rounds=model.")
 _FLOOR = flags.DEFINE_integer("floor_tokens", 64, "Also time a pass of this many tokens "
                               "(per-token cost at full GEMM throughput); 0: skip.")
 
@@ -394,6 +400,32 @@ def main(argv):
           f"({forward_flops(cfg, t, context) * batch / t / per / 1e9:.1f} GFLOP/s) = "
           f"{ratio_text(big, small)} of a 1-token step: the floor of each extra verify "
           "token when its matmuls run at full GEMM throughput")
+
+  if _ROUNDS.value:
+    round_table(model, context, pairs)
+
+
+def round_table(model, context, pairs, rounds=16):
+  """Decode rounds per drafter with specjax's CPU kernels on / off, paired."""
+  prompt = jax.random.randint(jax.random.PRNGKey(0), (1, context), 0,
+                              model.config.vocab_size).tolist()
+  print("\n| drafter | round ms, kernels on | round ms, off | on / off |\n|---|---|---|---|")
+  for name in _ROUNDS.value:
+    kw = dict(max_new_tokens=rounds * 5 + 8, temperature=0.0, top_k=0, top_p=1.0,
+              eos_id=None)
+    if name != "none":
+      kw.update(drafter=name, gamma=4)
+    if name == "model":
+      kw["draft"] = load_pretrained(_DRAFT.value)
+    prepared = costs._prepare(model, prompt, kw)
+    timers = {}
+    for on in (True, False):
+      with rowwise_max(model_lib.CPU_ROWWISE_MAX_ROWS, kernels=on):
+        timers[on] = costs.round_timer(prepared, rounds)
+    got = costs.paired(timers[True], timers[False], pairs=pairs)
+    print(f"| {name} | {statistics.median(got['method_s']) / rounds * 1e3:.3f} | "
+          f"{statistics.median(got['baseline_s']) / rounds * 1e3:.3f} | "
+          f"{1 / got['ratio']:.2f} ({1 / got['ratio_max']:.2f}-{1 / got['ratio_min']:.2f}) |")
 
 
 if __name__ == "__main__":

@@ -60,7 +60,15 @@ def library_path() -> pathlib.Path:
       [SOURCE.read_text(), jaxlib.__version__, _cpu_id()] + _flags()[:-1]).encode())
   root = os.environ.get("SPECJAX_CACHE_DIR") or os.path.join(
       os.path.expanduser("~"), ".cache", "specjax")
+  if not os.access(_existing_parent(root), os.W_OK):  # a read-only home: the temp dir
+    root = os.path.join(tempfile.gettempdir(), f"specjax-{os.getuid()}")
   return pathlib.Path(root) / f"fewrow-{key.hexdigest()[:16]}.so"
+
+
+def _existing_parent(path: str) -> str:
+  while not os.path.exists(path):
+    path = os.path.dirname(path)
+  return path
 
 
 def _build(path: pathlib.Path) -> None:
