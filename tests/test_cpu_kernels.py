@@ -53,13 +53,15 @@ class KernelTest(parameterized.TestCase):
       alone = jnp.concatenate([jax.jit(fn)(x[i:i + 1], arg) for i in range(9)])
       np.testing.assert_array_equal(together, alone)
 
-  @parameterized.parameters((1, 4, 2, 8), (5, 4, 4, 64), (3, 6, 2, 12))
-  def test_cached_attention_is_attend(self, t, h, kvh, d):
-    # GQA, a head size with a tail (12), a row with an empty cache, and stale NaN slots
-    # past each row's length, which the kernel must never read.
+  @parameterized.parameters((1, 4, 2, 8, 1.0), (5, 4, 4, 64, 1.0), (3, 6, 2, 32, 1.0),
+                            (2, 2, 1, 128, 1.0), (4, 4, 2, 64, 30.0))
+  def test_cached_attention_is_attend(self, t, h, kvh, d, spread):
+    # GQA, an odd number of query rows per KV head (3 x 3), a row with an empty cache,
+    # stale NaN slots past each row's length, which the kernel must never read, and
+    # (spread 30) scores so far apart that most exps underflow to 0.
     b, s = 3, 16
     keys = jax.random.split(jax.random.PRNGKey(8), 5)
-    q = jax.random.normal(keys[0], (b, t, h, d))
+    q = spread * jax.random.normal(keys[0], (b, t, h, d))
     k, v = (jax.random.normal(keys[i], (b, t, kvh, d)) for i in (1, 2))
     length = jnp.array([4, 11, 0])
     stale = jnp.arange(s)[None, None, :, None] >= length[:, None, None, None]
@@ -70,6 +72,34 @@ class KernelTest(parameterized.TestCase):
         q, k, v, k_buf, v_buf, length)
     self.assertTrue(bool(jnp.all(jnp.isfinite(got))))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+  def test_attention_head_dims_off_the_vector_width_keep_xla(self):
+    # The kernel takes head dims in multiples of 8 and says so; attend routes others to
+    # XLA's attention.
+    q, k, v = jnp.ones((1, 1, 2, 12)), jnp.ones((1, 1, 1, 12)), jnp.ones((1, 1, 1, 12))
+    cache = (jnp.ones((1, 1, 4, 12)), jnp.ones((1, 1, 4, 12)), jnp.array([2]))
+    with self.assertRaisesRegex(Exception, "shapes do not match"):
+      jax.jit(cpu_kernels.cached_attention)(q, k, v, *cache).block_until_ready()
+    np.testing.assert_allclose(layers.attend(q, k, v, cache, cpu_kernel=True),
+                               layers.attend(q, k, v, cache), rtol=1e-6)
+
+  @parameterized.parameters((4, 2), (3, 1))  # (3, 1): a query row paired at T = 4, alone at 1
+  def test_an_attention_row_is_the_1_token_step_at_its_position(self, h, kvh):
+    # T new tokens at once, or one at a time with each written to the cache first: the
+    # same bits (greedy speculative output equals greedy decoding).
+    b, t, d, s, n = 2, 4, 64, 16, 5
+    keys = jax.random.split(jax.random.PRNGKey(9), 5)
+    q = jax.random.normal(keys[0], (b, t, h, d))
+    k, v = (jax.random.normal(keys[i], (b, t, kvh, d)) for i in (1, 2))
+    k_buf, v_buf = (jax.random.normal(keys[i], (b, kvh, s, d)) for i in (3, 4))
+    attend = jax.jit(cpu_kernels.cached_attention)
+    together = attend(q, k, v, k_buf, v_buf, jnp.full((b,), n))
+    for i in range(t):
+      alone = attend(q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1], k_buf, v_buf,
+                     jnp.full((b,), n + i))
+      np.testing.assert_array_equal(alone[:, 0], together[:, i])
+      k_buf = k_buf.at[:, :, n + i].set(k[:, i])
+      v_buf = v_buf.at[:, :, n + i].set(v[:, i])
 
   def test_pack_round_trip(self):
     w = _rand(7, (5, 32))

@@ -80,9 +80,10 @@ def attend(q, k, v, cache=None, mask=None, rows_apart=False, cpu_kernel=False):
   rows_apart: score and sum the cache for one query row at a time. For a few rows on a
   CPU each row then gets the 1-token step's kernels instead of a general multiply that
   packs the cache (`specjax.models.model.rowwise` does the same for the projections).
-  cpu_kernel: with a cache and no mask, specjax's CPU kernel (`cpu_kernels.cached_attention`).
+  cpu_kernel: with a cache and no mask, specjax's CPU kernel (`cpu_kernels.cached_attention`;
+  head dims that are a multiple of 8).
   """
-  if cpu_kernel and cache is not None and mask is None:
+  if cpu_kernel and cache is not None and mask is None and q.shape[-1] % 8 == 0:
     out = cpu_kernels.cached_attention(q, k, v, *cache)
     return out.reshape(q.shape[0], q.shape[1], -1)
   b, t, h, d = q.shape
