@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from specjax import decode as decode_lib
 from specjax.models import kv_cache
 from specjax.models import model as model_lib
-from specjax.processors.sampling import Sampling
+from specjax.processors.sampling import Sampling, argmax
 
 
 def paired(method: Callable[[], object], baseline: Callable[[], object], pairs: int = 3,
@@ -107,7 +107,7 @@ def forward_timer(model, batch: int, tokens_per_call: int, context: int = 128,
       kv, tokens = carry
       logits, new_kv = model_lib.forward_cached(graphdef, params, tokens, kv)
       # Feeding back the argmax keeps each call dependent on the previous one.
-      return new_kv.rollback(kv.length), jnp.argmax(logits, -1).astype(jnp.int32)
+      return new_kv.rollback(kv.length), argmax(logits).astype(jnp.int32)
     return jax.lax.fori_loop(0, iters, body, (kv, tokens))
 
   # The cache in the weights' dtype, as `decode.prefill` keeps it.

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.processors.sampling import process_logits, sample
+from specjax.processors.sampling import argmax, process_logits, sample
 
 LOGITS = jnp.log(jnp.array([0.05, 0.4, 0.1, 0.3, 0.15]))
 
@@ -25,6 +25,16 @@ class ProcessLogitsTest(chex.TestCase):
     # Ties go to the first maximum, as argmax does.
     tied = self.variant(process_logits)(jnp.array([1.0, 3.0, 3.0]), 0.0, 0, 1.0)
     np.testing.assert_array_equal(tied, [0, 1, 0])
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_argmax_is_jnp_argmax(self):
+    # The CPU's max-then-min form: ties to the first maximum, a NaN wins (its first),
+    # all -inf gives 0, any leading shape.
+    rows = jnp.array([[1.0, 3.0, 3.0, 2.0], [jnp.nan, 1.0, jnp.nan, 5.0],
+                      [-jnp.inf] * 4, [2.0, jnp.inf, 0.0, jnp.inf]])
+    np.testing.assert_array_equal(self.variant(argmax)(rows), jnp.argmax(rows, -1))
+    many = jnp.round(jax.random.normal(jax.random.PRNGKey(0), (3, 5, 2048)) * 4)  # ties
+    np.testing.assert_array_equal(self.variant(argmax)(many), jnp.argmax(many, -1))
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_top_k_support(self):

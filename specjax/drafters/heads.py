@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from specjax.models import heads as heads_lib
 from specjax.models import kv_cache
-from specjax.processors.sampling import process_logits, sample
+from specjax.processors.sampling import argmax, process_logits, sample
 
 SAMPLE_MODES = ("probabilistic", "greedy")
 
@@ -56,8 +56,8 @@ def draw(sample_mode: str, key, logits, sampling, history=None):
 def _pick(sample_mode: str, key, logits, sampling):
   """`draw` on logits the history-dependent processors have already adjusted."""
 
-  def argmax():
-    y = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  def greedy():
+    y = argmax(logits).astype(jnp.int32)
     return y, jax.nn.one_hot(y, logits.shape[-1], dtype=jnp.float32)
 
   def drawn():
@@ -65,9 +65,9 @@ def _pick(sample_mode: str, key, logits, sampling):
     return sample(key, q), q
 
   if sample_mode == "greedy":
-    return argmax()
+    return greedy()
   # At temperature 0 q is the one-hot argmax: skip the random numbers a draw costs.
-  return jax.lax.cond(jnp.all(sampling.temperature <= 0), argmax, drawn)
+  return jax.lax.cond(jnp.all(sampling.temperature <= 0), greedy, drawn)
 
 
 def _known(features, positions, n):

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from specjax.models import kv_cache
 from specjax.models import model as model_lib
 from specjax.models.config import ModelConfig
-from specjax.processors.sampling import sample
+from specjax.processors.sampling import argmax, sample
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,8 +43,8 @@ class ModelDrafter:
     return self._pick(key, sampling.adjust(logits, history), sampling)  # this prefix's
 
   def _pick(self, key, logits, sampling):
-    def argmax():
-      y = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    def greedy():
+      y = argmax(logits).astype(jnp.int32)
       return y, jax.nn.one_hot(y, logits.shape[-1], dtype=jnp.float32)
 
     def draw():
@@ -52,9 +52,9 @@ class ModelDrafter:
       return sample(key, q), q
 
     if self.sample_mode == "greedy":
-      return argmax()
+      return greedy()
     # At temperature 0 q is the one-hot argmax: skip the V random numbers a draw costs.
-    return jax.lax.cond(jnp.all(sampling.temperature <= 0), argmax, draw)
+    return jax.lax.cond(jnp.all(sampling.temperature <= 0), greedy, draw)
 
   def _catch_up(self, params, kv, tokens, n):
     """Feeds the draft up to the pending token: (its logits [B, V], kv of length n).

@@ -82,6 +82,22 @@ def _param(x, lead_shape, dtype):
   return jnp.broadcast_to(x.reshape(x.shape + (1,) * (len(lead_shape) - x.ndim)), lead_shape)
 
 
+def argmax(logits: jax.Array) -> jax.Array:
+  """jnp.argmax(logits, axis=-1) (the first maximum; the first NaN if there is one).
+
+  On a CPU as a max and a min, two reductions XLA:CPU vectorises: its argmax is one
+  reduction over (value, index) pairs that it runs a scalar at a time (2,048 logits:
+  9.4 us against 2.6; 5 x 2,048, a verify pass: 31 against 6), once per draft step and
+  per verify pass. Elsewhere jnp.argmax.
+  """
+  if jax.default_backend() != "cpu":
+    return jnp.argmax(logits, axis=-1)
+  top = jnp.max(logits, axis=-1, keepdims=True)
+  index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+  at_top = (logits == top) | jnp.isnan(logits)
+  return jnp.min(jnp.where(at_top, index, logits.shape[-1] - 1), axis=-1)
+
+
 def process_logits(logits: jax.Array, temperature, top_k, top_p) -> jax.Array:
   """logits [..., V] -> probabilities [..., V] (float32) after all processing.
 
@@ -96,7 +112,7 @@ def process_logits(logits: jax.Array, temperature, top_k, top_p) -> jax.Array:
   top_p = _param(top_p, lead, jnp.float32)[..., None]
 
   greedy = temperature <= 0.0
-  one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=jnp.float32)
+  one_hot = jax.nn.one_hot(argmax(logits), vocab, dtype=jnp.float32)
 
   def processed():
     # Shifting by the max first keeps tiny temperatures from overflowing to inf - inf.
