@@ -36,22 +36,14 @@ class KernelTest(parameterized.TestCase):
     got = jax.jit(cpu_kernels.panel_matmul)(x, cpu_kernels.pack(w))
     np.testing.assert_allclose(got, np.asarray(x) @ np.asarray(w), rtol=1e-5, atol=1e-5)
 
-  @parameterized.parameters(1, 3, 6, 9)
-  def test_rows_dot_is_the_product(self, rows):
-    # N = 37 rows of W (an odd count: the last pair is a single row), K = 21 (a tail).
-    x, w = _rand(2, (rows, 21)), _rand(3, (37, 21))
-    got = jax.jit(cpu_kernels.rows_dot)(x, w)
-    np.testing.assert_allclose(got, np.asarray(x) @ np.asarray(w).T, rtol=1e-5, atol=1e-5)
-
   def test_a_row_does_not_depend_on_the_others(self):
     # Greedy speculative output equals greedy decoding only if the verify pass gives each
     # row the bits a 1-token step gives it: same kernel, same order of additions.
-    x, w, e = _rand(4, (9, 64)), _rand(5, (64, 96)), _rand(6, (50, 64))
-    panels = cpu_kernels.pack(w)
-    for fn, arg in ((cpu_kernels.panel_matmul, panels), (cpu_kernels.rows_dot, e)):
-      together = jax.jit(fn)(x, arg)
-      alone = jnp.concatenate([jax.jit(fn)(x[i:i + 1], arg) for i in range(9)])
-      np.testing.assert_array_equal(together, alone)
+    x, panels = _rand(4, (9, 64)), cpu_kernels.pack(_rand(5, (64, 96)))
+    together = jax.jit(cpu_kernels.panel_matmul)(x, panels)
+    alone = jnp.concatenate([jax.jit(cpu_kernels.panel_matmul)(x[i:i + 1], panels)
+                             for i in range(9)])
+    np.testing.assert_array_equal(together, alone)
 
   @parameterized.parameters((1, 4, 2, 8, 1.0), (5, 4, 4, 64, 1.0), (3, 6, 2, 32, 1.0),
                             (2, 2, 1, 128, 1.0), (4, 4, 2, 64, 30.0))
@@ -135,6 +127,18 @@ class LayoutTest(parameterized.TestCase):
     for path, leaf in jax.tree_util.tree_leaves_with_path(laid):
       if path[-1].key == "kernel":
         self.assertEqual(leaf.ndim, 3, path)
+    # Untied: the embedding is only looked up, and stays as it is.
+    self.assertEqual(laid["embed"]["embedding"].ndim, 2)
+
+  def test_a_tied_embedding_is_laid_out_as_the_lm_head(self):
+    model = tiny_model(**CONFIGS["gpt2"])
+    laid = model_lib.cpu_layout(model.params)
+    table = model.params["embed"]["embedding"]
+    np.testing.assert_array_equal(cpu_kernels.unpack(laid["embed"]["embedding"]), table.T)
+    self.assertEqual(laid["pos_embed"]["embedding"].ndim, 2)  # positions: not a head
+    tokens = jnp.array([[0, 5, 15, 16 - 1, 7]])
+    module = model_lib.merge(model.graphdef, laid)
+    np.testing.assert_array_equal(module.embed(tokens), table[tokens])
     with mock.patch.object(cpu_kernels, "ENABLED", False):
       chex.assert_trees_all_equal(model_lib.cpu_layout(model.params), model.params)
 

@@ -36,7 +36,7 @@ PANEL = 16  # columns per panel (fewrow.cc kPanel)
 # Read when a forward is traced (`model.cpu_layout`): False keeps XLA's products.
 ENABLED = True
 SOURCE = pathlib.Path(__file__).with_name("fewrow.cc")
-_TARGETS = {"specjax_panel_matmul": "SpecjaxPanelMatmul", "specjax_rows_dot": "SpecjaxRowsDot",
+_TARGETS = {"specjax_panel_matmul": "SpecjaxPanelMatmul",
             "specjax_cached_attention": "SpecjaxCachedAttention"}
 
 
@@ -149,13 +149,6 @@ def panel_matmul(x: jax.Array, panels: jax.Array) -> jax.Array:
   n = panels.shape[0] * panels.shape[2]
   return jax.ffi.ffi_call("specjax_panel_matmul",
                           jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(x, panels)
-
-
-def rows_dot(x: jax.Array, w: jax.Array) -> jax.Array:
-  """x [R, K] float32 · Wᵀ for W [N, K] (an embedding as the LM head) -> [R, N]."""
-  _require()
-  return jax.ffi.ffi_call("specjax_rows_dot",
-                          jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))(x, w)
 
 
 def cached_attention(q, k, v, k_buf, v_buf, length) -> jax.Array:

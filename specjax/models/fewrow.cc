@@ -9,8 +9,6 @@
 //     16 columns are contiguous for every k, so it is read as one sequential stream (W
 //     [K, N] as it lies would be read 64 bytes per row, N floats apart: no prefetcher
 //     follows that, and a forward runs 2-4x slower).
-//   SpecjaxRowsDot: W [N, K] as it lies (an embedding used as the LM head): each output
-//     is a dot product along contiguous memory.
 //
 // The columns are split in chunks between the calling thread and one XLA pool thread.
 // Each row's additions run in the same order whatever the number of rows, so a row of a
@@ -87,34 +85,6 @@ inline void PanelRows(const float* x, const float* p, float* y, int64_t K, int64
   }
 }
 
-// y[r, n] for R rows and the two rows n, n + 1 of e[N, K].
-template <int R>
-inline void DotPair(const float* x, const float* e, float* y, int64_t K, int64_t N,
-                    int64_t n, int pair) {
-  v8 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = v8{};
-  const float* e0 = e + n * K;
-  const float* e1 = e + (n + pair - 1) * K;
-  int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
-    v8 w0 = Load(e0 + k), w1 = Load(e1 + k);
-    InRegister(w0), InRegister(w1);
-    for (int r = 0; r < R; ++r) {
-      const v8 xv = Load(x + r * K + k);
-      acc[r][0] += xv * w0;
-      acc[r][1] += xv * w1;
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    for (int i = 0; i < pair; ++i) {
-      float s = 0.f;
-      for (int l = 0; l < 8; ++l) s += acc[r][i][l];
-      for (int64_t kk = k; kk < K; ++kk) s += x[r * K + kk] * (i ? e1 : e0)[kk];
-      y[r * N + n + i] = s;
-    }
-  }
-}
-
 // Columns [n0, n1) of y for R rows.
 template <int R>
 void Panels(const float* x, const float* p, float* y, int64_t K, int64_t N, int64_t n0,
@@ -122,19 +92,10 @@ void Panels(const float* x, const float* p, float* y, int64_t K, int64_t N, int6
   for (int64_t j = n0; j < n1; j += kPanel) PanelRows<R>(x, p + j * K, y, K, N, j);
 }
 
-template <int R>
-void Dots(const float* x, const float* e, float* y, int64_t K, int64_t N, int64_t n0,
-          int64_t n1) {
-  for (int64_t n = n0; n < n1; n += 2) DotPair<R>(x, e, y, K, N, n, n + 1 < n1 ? 2 : 1);
-}
-
 using Kernel = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t,
                         int64_t);
 constexpr Kernel kPanels[] = {Panels<1>, Panels<2>, Panels<3>, Panels<4>, Panels<5>,
                               Panels<6>, Panels<7>, Panels<8>, Panels<9>};
-constexpr Kernel kDots[] = {Dots<1>, Dots<2>, Dots<3>, Dots<4>, Dots<5>,
-                            Dots<6>, Dots<7>, Dots<8>, Dots<9>};
-
 // Columns [n0, n1): rows in groups of at most kRowGroup; a later group finds the
 // weights in cache.
 void ByRowGroups(const Kernel* table, const float* x, const float* w, float* y,
@@ -167,7 +128,7 @@ void ForEach(ffi::ThreadPool& pool, int64_t n, F fn) {
   while (claims->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
 }
 
-// The columns in 8 chunks of whole panels (or pairs).
+// The columns in 8 chunks of whole panels.
 void Parallel(ffi::ThreadPool& pool, const Kernel* table, const float* x, const float* w,
               float* y, int64_t rows, int64_t K, int64_t N, int64_t align) {
   constexpr int64_t kChunks = 8;
@@ -183,15 +144,6 @@ ffi::Error PanelMatmul(ffi::ThreadPool pool, Rows x, Panels3 wp, Out y) {
     return ffi::Error::InvalidArgument("SpecjaxPanelMatmul: shapes do not match");
   Parallel(pool, kPanels, x.typed_data(), wp.typed_data(), y->typed_data(), xd[0], xd[1],
            wd[0] * kPanel, kPanel);
-  return ffi::Error::Success();
-}
-
-ffi::Error RowsDot(ffi::ThreadPool pool, Rows x, Rows e, Out y) {
-  const auto xd = x.dimensions(), ed = e.dimensions();
-  if (ed[1] != xd[1] || y->dimensions()[1] != ed[0])
-    return ffi::Error::InvalidArgument("SpecjaxRowsDot: shapes do not match");
-  Parallel(pool, kDots, x.typed_data(), e.typed_data(), y->typed_data(), xd[0], xd[1],
-           ed[0], 2);
   return ffi::Error::Success();
 }
 
@@ -395,12 +347,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxPanelMatmul, PanelMatmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<Rows>()
                                   .Arg<Panels3>()
-                                  .Ret<Rows>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxRowsDot, RowsDot,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<Rows>()
-                                  .Arg<Rows>()
                                   .Ret<Rows>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxCachedAttention, CachedAttention,
                               ffi::Ffi::Bind()

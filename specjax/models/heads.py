@@ -87,7 +87,7 @@ class _Readout(nnx.Module):
 
   def _init_shared(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.tie = cfg.tie_embeddings
-    self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs)
+    self.embed = model_lib.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs)
     self.final_norm = model_lib._norm(cfg, rngs)
     if not cfg.tie_embeddings:
       self.lm_head = model_lib._dense(rngs, cfg.d_model, cfg.vocab_size, False, 0.02)

@@ -104,6 +104,23 @@ class Dense(nnx.Linear):
     return rowwise(super().__call__, x)
 
 
+class Embed(nnx.Embed):
+  """nnx.Embed; over CPU panels of its transpose (`cpu_layout`), looked up from them and
+  used as the tied LM head by specjax's kernels, like a Dense over panels."""
+
+  def __call__(self, tokens):
+    table = self.embedding[...]
+    if table.ndim == 3:  # panels [V / 16, d, 16]: token t is column t % 16 of panel t // 16
+      return table[tokens // cpu_kernels.PANEL, :, tokens % cpu_kernels.PANEL]
+    return super().__call__(tokens)
+
+  def attend(self, x):
+    table = self.embedding[...]
+    if table.ndim == 3:
+      return _panel_product(x, table)
+    return rowwise(super().attend, x)
+
+
 def _few_rows(x) -> tuple[int, bool]:
   rows = int(np.prod(x.shape[:-1]))
   return rows, rows <= CPU_ROWWISE_MAX_ROWS and not _WHOLE_ROWS.get()
@@ -126,23 +143,25 @@ def cpu_layout(params: Params) -> Params:
   kernel as panels [N / 16, K, 16]; params unchanged otherwise.
 
   A forward over the result multiplies 1..CPU_ROWWISE_MAX_ROWS rows with the few-row
-  kernels (each weight read once for all rows, the columns split over two threads) and
-  the tied LM head with `cpu_kernels.rows_dot`. Call it inside the compiled program,
+  kernels (each weight read once for all rows, the columns split over two threads),
+  the tied LM head included (the embedding as panels of its transpose, see `Embed`). Call it inside the compiled program,
   once, outside any loop (`decode.decode`, `costs.forward_timer`): the panels are a
   copy of the weights, laid out per call.
   """
   if _WHOLE_ROWS.get() or not cpu_kernels.available():
     return params
 
+  tied = "lm_head" not in (params or {})  # None: no draft model
+
   def lay(path, leaf):
-    name = getattr(path[-1], "key", None)
-    return cpu_kernels.pack(leaf) if name == "kernel" and cpu_kernels.packable(leaf) else leaf
+    names = tuple(getattr(p, "key", None) for p in path[-2:])
+    if names[-1] == "kernel" and cpu_kernels.packable(leaf):
+      return cpu_kernels.pack(leaf)
+    if tied and names == ("embed", "embedding") and cpu_kernels.packable(leaf.T):
+      return cpu_kernels.pack(leaf.T)  # the tied LM head's [d, V], read as `Embed` reads it
+    return leaf
 
   return jax.tree_util.tree_map_with_path(lay, params)
-
-
-def _uses_panels(module) -> bool:
-  return module.blocks[0].attn.qkv.kernel[...].ndim == 3
 
 
 def _dense(rngs, d_in, d_out, bias, std):
@@ -237,8 +256,8 @@ class Transformer(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg
-    self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs,
-                           embedding_init=nnx.initializers.normal(0.02))
+    self.embed = Embed(cfg.vocab_size, cfg.d_model, rngs=rngs,
+                       embedding_init=nnx.initializers.normal(0.02))
     # Compute in the embedding's own dtype (bfloat16 weights, bfloat16 forward): nnx
     # would otherwise keep the float32 it was built with.
     self.embed.dtype = None
@@ -270,12 +289,8 @@ class Transformer(nnx.Module):
         vs.append(new_cache[1])
     features = x
     x = self.final_norm(x)
-    if self.cfg.tie_embeddings and _uses_panels(self) and _few_rows(x)[1]:
-      flat = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-      logits = cpu_kernels.rows_dot(flat, self.embed.embedding[...]).reshape(
-          x.shape[:-1] + (-1,))
-    elif self.cfg.tie_embeddings:
-      logits = rowwise(self.embed.attend, x)
+    if self.cfg.tie_embeddings:
+      logits = self.embed.attend(x)
     else:
       logits = self.lm_head(x)
     out = logits.astype(jnp.float32), (tuple(ks), tuple(vs))
