@@ -36,6 +36,16 @@ class ProcessLogitsTest(chex.TestCase):
     many = jnp.round(jax.random.normal(jax.random.PRNGKey(0), (3, 5, 2048)) * 4)  # ties
     np.testing.assert_array_equal(self.variant(argmax)(many), jnp.argmax(many, -1))
 
+  def test_sample_is_jax_categorical(self):
+    # The same construction (Gumbel-max, one noise value per token) with the fast argmax:
+    # the same draws, bit for bit, as jax.random.categorical on log p.
+    probs = jax.nn.softmax(jax.random.normal(jax.random.PRNGKey(1), (4, 3, 2048)) * 3)
+    probs = probs.at[0, 0].set(jax.nn.one_hot(7, 2048))  # a point mass: log 0 = -inf
+    for seed in range(5):
+      key = jax.random.PRNGKey(seed)
+      want = jax.random.categorical(key, jnp.log(probs), axis=-1)
+      np.testing.assert_array_equal(jax.jit(sample)(key, probs), want)
+
   @chex.variants(with_jit=True, without_jit=True)
   def test_top_k_support(self):
     probs = self.variant(process_logits)(LOGITS, 1.0, 2, 1.0)

@@ -13,6 +13,7 @@ from absl.testing import parameterized
 
 from specjax.processors.sampling import process_logits, sample
 from specjax.verify.exact import acceptance_prob, residual, verify
+from specjax.verify import exact
 
 P = np.array([0.6, 0.3, 0.1])
 Q = np.array([0.2, 0.5, 0.3])
@@ -148,3 +149,24 @@ class VerifyShapesTest(chex.TestCase):
     q = jax.nn.one_hot(jnp.array([2, 1, 3]), vocab)
     n_acc, nxt, _ = self.variant(verify)(jax.random.PRNGKey(0), jnp.array([2, 1, 3]), q, p)
     self.assertEqual((int(n_acc), int(nxt)), (3, 0))
+
+class PointMassTest(chex.TestCase):
+
+  def test_rule_with_point_masses_is_the_sampled_rule(self):
+    # Every p one-hot (temperature 0): ExactRule draws with argmax instead of Gumbel
+    # noise; for any q (one-hot or soft) and key the tokens must be the same.
+    b, gamma, vocab = 6, 3, 64
+    keys = jax.random.split(jax.random.PRNGKey(3), 4)
+    p = jax.nn.one_hot(jax.random.randint(keys[0], (b, gamma + 1), 0, 4), vocab)
+    soft = jax.nn.softmax(2 * jax.random.normal(keys[1], (b, gamma, vocab)))
+    ys = jax.random.randint(keys[2], (b, gamma), 0, 4)
+    for q in (jax.nn.one_hot(ys, vocab), soft):
+      for seed in range(8):
+        row_keys = jax.random.split(jax.random.PRNGKey(seed), b)
+        self.assertTrue(bool(exact.point_masses(p)))
+        got = jax.jit(exact.ExactRule())(row_keys, ys, q, p)
+        want = exact.verify_batch(row_keys, ys, q, p)
+        for g, w in zip(got, want):
+          np.testing.assert_array_equal(g, w)
+    # One soft row anywhere and the batch is sampled.
+    self.assertFalse(bool(exact.point_masses(p.at[2, 1].set(soft[0, 0]))))
