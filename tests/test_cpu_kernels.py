@@ -150,7 +150,7 @@ class LayoutTest(parameterized.TestCase):
     laid = model_lib.cpu_layout(model.params)
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 12), 0, 16)
     full = model.logits(tokens)
-    # 12 rows of batch 2: a pass of up to 9 rows runs the kernels, more XLA's product.
+    # Chunks of 1..12 tokens, batch 2: 2..24 rows, in the kernel's groups of up to 9 rows.
     np.testing.assert_allclose(model_lib.forward_jit(model.graphdef, laid, tokens), full,
                                rtol=2e-5, atol=2e-5)
     fn = jax.jit(model_lib.forward_cached, static_argnums=0)
