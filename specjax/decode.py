@@ -15,6 +15,7 @@ Rows accept different counts; each row's own `n` and KV `length` absorb it.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from typing import Any
@@ -23,6 +24,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from specjax.models import cpu_kernels
 from specjax.models import kv_cache
 from specjax.models import model as model_lib
 from specjax import policies
@@ -310,6 +312,37 @@ def cpu_layout(engine: Engine, weights: Weights) -> Weights:
     return weights
   return Weights(target=model_lib.cpu_layout(weights.target),
                  draft=model_lib.cpu_layout(weights.draft))
+
+
+# The last laid-out parameter sets (`laid_out`): a call's target and draft. Each entry
+# keeps the arrays it was made from, so no id in its key can be reused while it lives.
+_LAYOUTS: collections.OrderedDict = collections.OrderedDict()
+_LAYOUTS_KEPT = 2
+
+
+def laid_out(engine: Engine, weights: Weights) -> Weights:
+  """`cpu_layout(engine, weights)`, kept for the next call with the same arrays.
+
+  `decode` lays the weights out inside the compiled call (a copy of every weight); done
+  once here instead, a call skips that copy (on the shipped target 3.7 ms of a 64-token
+  call's 9.6 ms first round). The two most recent parameter sets stay laid out, a second
+  copy of their weights in memory; `decode` leaves weights laid out already as they are.
+  """
+  if engine.mesh is not None or not cpu_kernels.available():
+    return weights
+  out = []
+  for params in (weights.target, weights.draft):
+    leaves = jax.tree_util.tree_leaves(params)
+    if not leaves:
+      out.append(params)
+      continue
+    key = tuple(id(leaf) for leaf in leaves)
+    entry = _LAYOUTS.pop(key, None) or (leaves, jax.jit(model_lib.cpu_layout)(params))
+    _LAYOUTS[key] = entry  # the most recent last
+    while len(_LAYOUTS) > _LAYOUTS_KEPT:
+      _LAYOUTS.popitem(last=False)
+    out.append(entry[1])
+  return Weights(target=out[0], draft=out[1])
 
 
 # `decode`'s round limit when none is given: every row runs until it is done.

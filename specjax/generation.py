@@ -37,13 +37,15 @@ class Prepared:
   sampling: Sampling
 
   def prefill(self, key) -> decode_lib.DecodeState:
-    return decode_lib.prefill(self.engine, self.weights, self.tokens, self.prompt_len,
-                              self.prompt_width, self.cache_size, key, self.sampling)
+    return decode_lib.prefill(self.engine, decode_lib.laid_out(self.engine, self.weights),
+                              self.tokens, self.prompt_len, self.prompt_width,
+                              self.cache_size, key, self.sampling)
 
   def run(self, key, max_rounds: int = decode_lib.NO_ROUND_LIMIT) -> decode_lib.DecodeState:
     # A Python int like decode's default: every limit shares one program (it is traced).
-    return decode_lib.decode(self.engine, self.prompt_width, self.cache_size, self.weights,
-                             self.tokens, self.prompt_len, self.sampling, key, int(max_rounds))
+    return decode_lib.decode(self.engine, self.prompt_width, self.cache_size,
+                             decode_lib.laid_out(self.engine, self.weights), self.tokens,
+                             self.prompt_len, self.sampling, key, int(max_rounds))
 
 
 @dataclasses.dataclass

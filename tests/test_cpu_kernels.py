@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
+import specjax
+from specjax import decode as decode_lib
 from specjax.models import cpu_kernels
 from specjax.models import kv_cache
 from specjax.models import layers
@@ -160,6 +162,31 @@ class LayoutTest(parameterized.TestCase):
       outs.append(logits)
       start += size
     np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, rtol=2e-5, atol=2e-5)
+
+  def test_a_call_reuses_the_last_layout(self):
+    # `Prepared.run` lays the weights out once and keeps them for the next call with the
+    # same arrays; the tokens are those of laying out inside the call.
+    target = tiny_model(**CONFIGS["gpt2"], seed=3)
+    draft = tiny_model(**CONFIGS["gpt2"], seed=4)
+    decode_lib._LAYOUTS.clear()
+    kw = dict(max_new_tokens=6, drafter="model", draft=draft, gamma=2)
+    first = specjax.generate(target, [[1, 2, 3]], **kw).tokens
+    self.assertLen(decode_lib._LAYOUTS, 2)
+    laid = [v[1] for v in decode_lib._LAYOUTS.values()]
+    self.assertEqual(laid[0]["embed"]["embedding"].ndim, 3)
+    self.assertEqual(specjax.generate(target, [[1, 2, 3]], **kw).tokens, first)
+    self.assertTrue(all(a is b[1] for a, b in zip(laid, decode_lib._LAYOUTS.values())))
+    # Another model takes the place of the least recently used set (the target: a call
+    # lays out its target first).
+    other = tiny_model(**CONFIGS["gpt2"], seed=5)
+    specjax.generate(other, [[1, 2, 3]], max_new_tokens=6)
+    kept = [v[1] for v in decode_lib._LAYOUTS.values()]
+    self.assertLen(kept, 2)
+    self.assertIs(kept[0], laid[1])
+    self.assertFalse(any(v is laid[0] for v in kept))
+    # Greedy with the weights laid out in the call is greedy with them laid out before.
+    with mock.patch.object(decode_lib, "_LAYOUTS_KEPT", 0):
+      self.assertEqual(specjax.generate(target, [[1, 2, 3]], **kw).tokens, first)
 
 
 if __name__ == "__main__":
