@@ -244,8 +244,8 @@ def round_timer(prepared, rounds: int = 16) -> Callable[[], float]:
   prefill and host work are excluded.
   """
   state = prepared.prefill(jax.random.PRNGKey(0))
-  # The weights as `decode.decode` runs them.
-  weights = decode_lib.cpu_layout(prepared.engine, prepared.weights)
+  # The weights as `Prepared.run` passes them (laid out by `prefill` above).
+  weights = decode_lib.laid_out(prepared.engine, prepared.weights)
 
   @jax.jit
   def loop(state):

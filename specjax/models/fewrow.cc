@@ -98,11 +98,11 @@ constexpr Kernel kPanels[] = {Panels<1>, Panels<2>, Panels<3>, Panels<4>, Panels
                               Panels<6>, Panels<7>, Panels<8>, Panels<9>};
 // Columns [n0, n1): rows in groups of at most kRowGroup; a later group finds the
 // weights in cache.
-void ByRowGroups(const Kernel* table, const float* x, const float* w, float* y,
-                 int64_t rows, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+void ByRowGroups(const float* x, const float* w, float* y, int64_t rows, int64_t K,
+                 int64_t N, int64_t n0, int64_t n1) {
   for (int64_t r0 = 0; r0 < rows; r0 += kRowGroup) {
     const int64_t r = std::min<int64_t>(kRowGroup, rows - r0);
-    table[r - 1](x + r0 * K, w, y + r0 * N, K, N, n0, n1);
+    kPanels[r - 1](x + r0 * K, w, y + r0 * N, K, N, n0, n1);
   }
 }
 
@@ -128,22 +128,18 @@ void ForEach(ffi::ThreadPool& pool, int64_t n, F fn) {
   while (claims->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
 }
 
-// The columns in 8 chunks of whole panels.
-void Parallel(ffi::ThreadPool& pool, const Kernel* table, const float* x, const float* w,
-              float* y, int64_t rows, int64_t K, int64_t N, int64_t align) {
-  constexpr int64_t kChunks = 8;
-  const int64_t chunk = std::max<int64_t>(align, (N / kChunks + align - 1) / align * align);
-  ForEach(pool, (N + chunk - 1) / chunk, [=](int64_t c) {
-    ByRowGroups(table, x, w, y, rows, K, N, c * chunk, std::min(N, (c + 1) * chunk));
-  });
-}
-
 ffi::Error PanelMatmul(ffi::ThreadPool pool, Rows x, Panels3 wp, Out y) {
   const auto xd = x.dimensions(), wd = wp.dimensions();
   if (wd[2] != kPanel || wd[1] != xd[1] || y->dimensions()[1] != wd[0] * kPanel)
     return ffi::Error::InvalidArgument("SpecjaxPanelMatmul: shapes do not match");
-  Parallel(pool, kPanels, x.typed_data(), wp.typed_data(), y->typed_data(), xd[0], xd[1],
-           wd[0] * kPanel, kPanel);
+  const float *xp = x.typed_data(), *w = wp.typed_data();
+  float* yp = y->typed_data();
+  const int64_t rows = xd[0], K = xd[1], N = wd[0] * kPanel;
+  // The columns in 8 chunks of whole panels.
+  const int64_t chunk = (wd[0] + 7) / 8 * kPanel;
+  ForEach(pool, (N + chunk - 1) / chunk, [=](int64_t c) {
+    ByRowGroups(xp, w, yp, rows, K, N, c * chunk, std::min(N, (c + 1) * chunk));
+  });
   return ffi::Error::Success();
 }
 
