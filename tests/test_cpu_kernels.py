@@ -38,6 +38,23 @@ class KernelTest(parameterized.TestCase):
     got = jax.jit(cpu_kernels.panel_matmul)(x, cpu_kernels.pack(w))
     np.testing.assert_allclose(got, np.asarray(x) @ np.asarray(w), rtol=1e-5, atol=1e-5)
 
+  @parameterized.parameters(1, 5, 11)
+  def test_panel_matmul_does_the_ops_around_the_product(self, rows):
+    # RMSNorm (as nnx.RMSNorm), SwiGLU's silu(gate) * up with gates far on both sides of
+    # 0 (K = 37: a tail past the vectors), and a residual added to the product.
+    from flax import nnx
+    x, w, add = _rand(0, (rows, 37)), _rand(1, (37, 80)), _rand(2, (rows, 80))
+    norm = nnx.RMSNorm(37, epsilon=1e-5, rngs=nnx.Rngs(0))
+    norm.scale[...] = 1 + 0.1 * _rand(3, (37,))
+    panels = cpu_kernels.pack(w)
+    got = jax.jit(lambda x, s: cpu_kernels.panel_matmul(x, panels, s, 1e-5, add=add))(
+        x, norm.scale[...])
+    np.testing.assert_allclose(got, add + norm(x) @ w, rtol=2e-5, atol=2e-5)
+    gates = 30 * _rand(4, (rows, 37))
+    got = jax.jit(lambda x: cpu_kernels.panel_matmul(x, panels, gated=True))(
+        jnp.concatenate([gates, x], axis=1))
+    np.testing.assert_allclose(got, (jax.nn.silu(gates) * x) @ w, rtol=2e-5, atol=2e-4)
+
   def test_a_row_does_not_depend_on_the_others(self):
     # Greedy speculative output equals greedy decoding only if the verify pass gives each
     # row the bits a 1-token step gives it: same kernel, same order of additions.
@@ -94,6 +111,48 @@ class KernelTest(parameterized.TestCase):
       np.testing.assert_array_equal(alone[:, 0], together[:, i])
       k_buf = k_buf.at[:, :, n + i].set(k[:, i])
       v_buf = v_buf.at[:, :, n + i].set(v[:, i])
+
+  def _rope_case(self, key, b, t, h, kvh, d, s, length):
+    keys = jax.random.split(jax.random.PRNGKey(key), 3)
+    qkv = jax.random.normal(keys[0], (b, t, (h + 2 * kvh) * d))
+    positions = length[:, None] + jnp.arange(t)[None, :]
+    freqs = 1.0 / 10000.0 ** (np.arange(0, d, 2, dtype=np.float64) / d).astype(np.float32)
+    stale = jnp.arange(s)[None, None, :, None] >= length[:, None, None, None]
+    k_buf, v_buf = (jnp.where(stale, jnp.nan, jax.random.normal(keys[i], (b, kvh, s, d)))
+                    for i in (1, 2))
+    return qkv, layers.rope_angles(positions, freqs), positions, freqs, k_buf, v_buf
+
+  @parameterized.parameters((1, 4, 2, 8), (5, 4, 4, 64), (3, 6, 2, 32), (4, 2, 1, 16))
+  def test_rope_attention_is_rope_attend_and_write(self, t, h, kvh, d):
+    # Row 1 ends past the cache (its last writes are dropped), row 2 is a prefill (length
+    # 0); stale NaN slots must never be read, and slots not written keep their bits.
+    b, s = 3, 16
+    length = jnp.array([4, 14, 0])
+    qkv, (cos, sin), positions, freqs, k_buf, v_buf = self._rope_case(10, b, t, h, kvh, d,
+                                                                     s, length)
+    q, k, v = layers.split_fused(qkv, 1, (h * d, kvh * d, kvh * d))
+    q, k, v = q.reshape(b, t, h, d), k.reshape(b, t, kvh, d), v.reshape(b, t, kvh, d)
+    q, k = layers.rope(q, positions, freqs), layers.rope(k, positions, freqs)
+    want = (layers.attend(q, k, v, (k_buf, v_buf, length)),
+            kv_cache.write(k_buf, k, length), kv_cache.write(v_buf, v, length))
+    got = jax.jit(cpu_kernels.rope_attention, static_argnums=6)(qkv, cos, sin, k_buf,
+                                                                 v_buf, length, h)
+    self.assertTrue(bool(jnp.all(jnp.isfinite(got[0]))))
+    for g, w in zip(got, want):
+      np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)  # NaN where NaN
+
+  def test_a_rope_attention_row_is_the_1_token_step_at_its_position(self):
+    b, t, h, kvh, d, s = 2, 4, 4, 2, 64, 16
+    length = jnp.array([5, 9])
+    qkv, (cos, sin), *_, k_buf, v_buf = self._rope_case(11, b, t, h, kvh, d, s, length)
+    fn = jax.jit(cpu_kernels.rope_attention, static_argnums=6)
+    together, k_all, v_all = fn(qkv, cos, sin, k_buf, v_buf, length, h)
+    for i in range(t):
+      alone, k_buf, v_buf = fn(qkv[:, i:i + 1], cos[:, i:i + 1], sin[:, i:i + 1], k_buf,
+                               v_buf, length + i, h)
+      np.testing.assert_array_equal(alone[:, 0], together[:, i])
+    np.testing.assert_array_equal(k_buf, k_all)
+    np.testing.assert_array_equal(v_buf, v_all)
 
   def test_pack_round_trip(self):
     w = _rand(7, (5, 32))

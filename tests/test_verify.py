@@ -153,14 +153,15 @@ class VerifyShapesTest(chex.TestCase):
 class PointMassTest(chex.TestCase):
 
   def test_rule_with_point_masses_is_the_sampled_rule(self):
-    # Every p one-hot (temperature 0): ExactRule draws with argmax instead of Gumbel
-    # noise; for any q (one-hot or soft) and key the tokens must be the same.
+    # Every p one-hot (temperature 0): ExactRule decides by argmaxes and gathers instead
+    # of drawing; for any q (one-hot or soft) and key the tokens must be the same.
     b, gamma, vocab = 6, 3, 64
     keys = jax.random.split(jax.random.PRNGKey(3), 4)
     p = jax.nn.one_hot(jax.random.randint(keys[0], (b, gamma + 1), 0, 4), vocab)
     soft = jax.nn.softmax(2 * jax.random.normal(keys[1], (b, gamma, vocab)))
     ys = jax.random.randint(keys[2], (b, gamma), 0, 4)
-    for q in (jax.nn.one_hot(ys, vocab), soft):
+    # q(y) = 0 too (accepted by the rule's min(1, p/q) convention): q on other tokens.
+    for q in (jax.nn.one_hot(ys, vocab), soft, jax.nn.one_hot((ys + 1) % 4, vocab)):
       for seed in range(8):
         row_keys = jax.random.split(jax.random.PRNGKey(seed), b)
         self.assertTrue(bool(exact.point_masses(p)))

@@ -31,13 +31,15 @@ import warnings
 import jax
 import jax.numpy as jnp
 import jaxlib
+import numpy as np
 
 PANEL = 16  # columns per panel (fewrow.cc kPanel)
 # Read when a forward is traced (`model.cpu_layout`): False keeps XLA's products.
 ENABLED = True
 SOURCE = pathlib.Path(__file__).with_name("fewrow.cc")
 _TARGETS = {"specjax_panel_matmul": "SpecjaxPanelMatmul",
-            "specjax_cached_attention": "SpecjaxCachedAttention"}
+            "specjax_cached_attention": "SpecjaxCachedAttention",
+            "specjax_rope_attention": "SpecjaxRopeAttention"}
 
 
 def _cpu_id() -> str:
@@ -143,12 +145,29 @@ def _require():
     raise RuntimeError(f"specjax CPU kernels unavailable: {why}")
 
 
-def panel_matmul(x: jax.Array, panels: jax.Array) -> jax.Array:
-  """x [R, K] float32 · W for W = unpack(panels) [K, N] -> [R, N]."""
+# Products of fewer multiply-adds than this (rows x K x N) run on the calling thread
+# alone: waking a pool thread costs more than it saves (the draft's). Read when traced.
+PARALLEL_MIN_WORK = 1 << 16
+
+
+def panel_matmul(x: jax.Array, panels: jax.Array, norm_scale=None, eps: float = 0.0,
+                 gated: bool = False, add=None) -> jax.Array:
+  """x [R, K] float32 · W for W = unpack(panels) [K, N] -> [R, N], with the small ops
+  around a product done on its rows in the same call:
+
+  gated: x is [gate | up] [R, 2K] and the product is of silu(gate) · up (SwiGLU).
+  norm_scale [K]: of RMSNorm(x) with that scale and eps (as `nnx.RMSNorm`).
+  add [R, N]: add + the product (a residual stream).
+  """
   _require()
-  n = panels.shape[0] * panels.shape[2]
+  n, k = panels.shape[0] * panels.shape[2], panels.shape[1]
+  parallel = x.shape[0] * k * n >= PARALLEL_MIN_WORK
+  scale = jnp.zeros((0,), jnp.float32) if norm_scale is None else norm_scale.astype(jnp.float32)
+  add = jnp.zeros((0, 0), jnp.float32) if add is None else add.astype(jnp.float32)
   return jax.ffi.ffi_call("specjax_panel_matmul",
-                          jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(x, panels)
+                          jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(
+                              x, panels, scale, add, parallel=parallel,
+                              eps=np.float32(eps), gated=gated)
 
 
 def cached_attention(q, k, v, k_buf, v_buf, length) -> jax.Array:
@@ -159,3 +178,19 @@ def cached_attention(q, k, v, k_buf, v_buf, length) -> jax.Array:
   return jax.ffi.ffi_call("specjax_cached_attention",
                           jax.ShapeDtypeStruct(q.shape, jnp.float32))(
                               q, k, v, k_buf, v_buf, length.astype(jnp.int32))
+
+
+def rope_attention(qkv, cos, sin, k_buf, v_buf, length, n_heads: int):
+  """A layer's attention from its fused qkv projection [B, T, (H + 2 KVH) D] (one group,
+  `split_fused`'s G = 1): RoPE of the new q and k by cos, sin [B, T, D / 2]
+  (`layers.rope_angles`), attention as `cached_attention`, and the new k, v written at
+  slots length[b] + t of k_buf, v_buf [B, KVH, S, D] in place (dropped past S).
+  Returns (out [B, T, H D], k_buf, v_buf): the buffers are the inputs' own (aliased), so
+  XLA copies a cache only where the old one is still needed elsewhere."""
+  _require()
+  b, t, _ = qkv.shape
+  out = jax.ShapeDtypeStruct((b, t, n_heads * k_buf.shape[3]), jnp.float32)
+  bufs = [jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (k_buf, v_buf)]
+  return jax.ffi.ffi_call("specjax_rope_attention", (out, *bufs),
+                          input_output_aliases={3: 1, 4: 2})(
+                              qkv, cos, sin, k_buf, v_buf, length.astype(jnp.int32))

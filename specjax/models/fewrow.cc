@@ -8,7 +8,10 @@
 //   SpecjaxPanelMatmul: W in panels, wp[N / 16, K, 16] (`cpu_kernels.pack`): a panel's
 //     16 columns are contiguous for every k, so it is read as one sequential stream (W
 //     [K, N] as it lies would be read 64 bytes per row, N floats apart: no prefetcher
-//     follows that, and a forward runs 2-4x slower).
+//     follows that, and a forward runs 2-4x slower). It also does the RMSNorm or
+//     SwiGLU before a product and the residual add after it.
+//   SpecjaxCachedAttention: attention of a few new queries over the valid cache slots.
+//   SpecjaxRopeAttention: a layer's RoPE, attention and KV write in one call.
 //
 // The columns are split in chunks between the calling thread and one XLA pool thread.
 // Each row's additions run in the same order whatever the number of rows, so a row of a
@@ -51,6 +54,7 @@ inline void InRegister(v8& v) {
 }
 
 using Rows = ffi::Buffer<ffi::F32, 2>;  // aliases keep the commas out of the macros below
+using Vec = ffi::Buffer<ffi::F32, 1>;
 using Panels3 = ffi::Buffer<ffi::F32, 3>;
 using Out = ffi::ResultBuffer<ffi::F32, 2>;
 
@@ -66,8 +70,8 @@ constexpr int kRowGroup = 6;
 
 // y[r, j0 : j0 + 16] for R rows from one panel p[K, 16].
 template <int R>
-inline void PanelRows(const float* x, const float* p, float* y, int64_t K, int64_t N,
-                      int64_t j0) {
+inline void PanelRows(const float* x, const float* p, float* y, const float* add,
+                      int64_t K, int64_t N, int64_t j0) {
   v8 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = v8{};
   for (int64_t k = 0; k < K; ++k) {
@@ -79,6 +83,12 @@ inline void PanelRows(const float* x, const float* p, float* y, int64_t K, int64
       acc[r][1] += xs * w1;
     }
   }
+  if (add) {  // the residual stream: add + x·W, as XLA adds them
+    for (int r = 0; r < R; ++r) {
+      acc[r][0] = Load(add + r * N + j0) + acc[r][0];
+      acc[r][1] = Load(add + r * N + j0 + 8) + acc[r][1];
+    }
+  }
   for (int r = 0; r < R; ++r) {
     Store(y + r * N + j0, acc[r][0]);
     Store(y + r * N + j0 + 8, acc[r][1]);
@@ -87,22 +97,22 @@ inline void PanelRows(const float* x, const float* p, float* y, int64_t K, int64
 
 // Columns [n0, n1) of y for R rows.
 template <int R>
-void Panels(const float* x, const float* p, float* y, int64_t K, int64_t N, int64_t n0,
-            int64_t n1) {
-  for (int64_t j = n0; j < n1; j += kPanel) PanelRows<R>(x, p + j * K, y, K, N, j);
+void Panels(const float* x, const float* p, float* y, const float* add, int64_t K,
+            int64_t N, int64_t n0, int64_t n1) {
+  for (int64_t j = n0; j < n1; j += kPanel) PanelRows<R>(x, p + j * K, y, add, K, N, j);
 }
 
-using Kernel = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t,
-                        int64_t);
+using Kernel = void (*)(const float*, const float*, float*, const float*, int64_t, int64_t,
+                        int64_t, int64_t);
 constexpr Kernel kPanels[] = {Panels<1>, Panels<2>, Panels<3>, Panels<4>, Panels<5>,
                               Panels<6>, Panels<7>, Panels<8>, Panels<9>};
 // Columns [n0, n1): rows in groups of at most kRowGroup; a later group finds the
 // weights in cache.
-void ByRowGroups(const float* x, const float* w, float* y, int64_t rows, int64_t K,
-                 int64_t N, int64_t n0, int64_t n1) {
+void ByRowGroups(const float* x, const float* w, float* y, const float* add, int64_t rows,
+                 int64_t K, int64_t N, int64_t n0, int64_t n1) {
   for (int64_t r0 = 0; r0 < rows; r0 += kRowGroup) {
     const int64_t r = std::min<int64_t>(kRowGroup, rows - r0);
-    kPanels[r - 1](x + r0 * K, w, y + r0 * N, K, N, n0, n1);
+    kPanels[r - 1](x + r0 * K, w, y + r0 * N, add ? add + r0 * N : nullptr, K, N, n0, n1);
   }
 }
 
@@ -114,7 +124,11 @@ struct Claims {
 };
 
 template <typename F>
-void ForEach(ffi::ThreadPool& pool, int64_t n, F fn) {
+void ForEach(ffi::ThreadPool& pool, int64_t n, F fn, bool parallel = true) {
+  if (!parallel) {  // too little work to pay for waking a pool thread
+    for (int64_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
   auto claims = std::make_shared<Claims>();
   auto work = [=]() {
     for (int64_t i; (i = claims->next.fetch_add(1)) < n;) {
@@ -128,26 +142,7 @@ void ForEach(ffi::ThreadPool& pool, int64_t n, F fn) {
   while (claims->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
 }
 
-ffi::Error PanelMatmul(ffi::ThreadPool pool, Rows x, Panels3 wp, Out y) {
-  const auto xd = x.dimensions(), wd = wp.dimensions();
-  if (wd[2] != kPanel || wd[1] != xd[1] || y->dimensions()[1] != wd[0] * kPanel)
-    return ffi::Error::InvalidArgument("SpecjaxPanelMatmul: shapes do not match");
-  const float *xp = x.typed_data(), *w = wp.typed_data();
-  float* yp = y->typed_data();
-  const int64_t rows = xd[0], K = xd[1], N = wd[0] * kPanel;
-  // The columns in 8 chunks of whole panels.
-  const int64_t chunk = (wd[0] + 7) / 8 * kPanel;
-  ForEach(pool, (N + chunk - 1) / chunk, [=](int64_t c) {
-    ByRowGroups(xp, w, yp, rows, K, N, c * chunk, std::min(N, (c + 1) * chunk));
-  });
-  return ffi::Error::Success();
-}
-
-// Attention of T new queries over the first length[b] cached slots and the T new keys
-// (causal), for the G query heads that share each KV head. Reads only the valid slots,
-// and each cached key and value once for all T·G queries of its head. Every step of a
-// query's arithmetic is the same whatever T is (the same blocks, sums and exp from its
-// first slot on), so a verify-pass row gets the bits of the 1-token step at its position.
+// Vector helpers: sums in a fixed order, exp.
 typedef int32_t v8i __attribute__((vector_size(32)));
 
 inline v8 Broadcast(float f) { return v8{} + f; }
@@ -193,6 +188,72 @@ inline v8 Exp(v8 x) {
   const v8i scale = ((v8i)t - (v8i)magic + 127) << 23;
   return (v8)((v8i)(y * (v8)scale) & ~under);
 }
+
+// o = silu(gate) · up, 8 at a time (a scalar exp per hidden unit cost more than the
+// product): sigmoid(g) from e = exp(-|g|) <= 1, as 1 / (1 + e) or e / (1 + e).
+inline void Swiglu(const float* gate, const float* up, float* o, int64_t K) {
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    const v8 g = Load(gate + k);
+    const v8 e = Exp(g < 0 ? g : -g);
+    const v8 sig = (g < 0 ? e : Broadcast(1.0f)) / (1.0f + e);
+    Store(o + k, g * sig * Load(up + k));
+  }
+  for (; k < K; ++k) o[k] = gate[k] / (1.0f + std::exp(-gate[k])) * up[k];
+}
+
+// y = in(x) · W (+ add), W in panels. in(x) is x; with `gated`, x = [gate | up] and
+// in(x) = silu(gate) · up (SwiGLU's hidden units); with a scale [K], RMSNorm of that
+// (eps): the small ops around a product, done on its rows in the same pass instead of
+// in XLA thunks of their own. add [R, N] (or [0, 0]) is the residual stream.
+ffi::Error PanelMatmul(ffi::ThreadPool pool, Rows x, Panels3 wp, Vec scale, Rows add, Out y,
+                       bool parallel, float eps, bool gated) {
+  const auto xd = x.dimensions(), wd = wp.dimensions();
+  const int64_t rows = xd[0], K = wd[1], N = wd[0] * kPanel;
+  const bool norm = scale.dimensions()[0] > 0, residual = add.dimensions()[0] > 0;
+  if (wd[2] != kPanel || xd[1] != (gated ? 2 * K : K) || y->dimensions()[1] != N ||
+      (norm && scale.dimensions()[0] != K) ||
+      (residual && (add.dimensions()[0] != rows || add.dimensions()[1] != N)))
+    return ffi::Error::InvalidArgument("SpecjaxPanelMatmul: shapes do not match");
+  const float *xp = x.typed_data(), *w = wp.typed_data();
+  std::vector<float> staged;
+  if (norm || gated) {
+    staged.resize(rows * K);
+    const float* g = scale.typed_data();
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* in = xp + r * xd[1];
+      float* o = staged.data() + r * K;
+      if (gated)
+        Swiglu(in, in + K, o, K);
+      else
+        std::memcpy(o, in, K * sizeof(float));
+      if (norm) {
+        v8 acc{};
+        int64_t k = 0;
+        for (; k + 8 <= K; k += 8) acc += Load(o + k) * Load(o + k);
+        float squares = Sum(acc);
+        for (; k < K; ++k) squares += o[k] * o[k];
+        const float inv = 1.0f / std::sqrt(squares / K + eps);
+        for (int64_t k = 0; k < K; ++k) o[k] = o[k] * (inv * g[k]);  // grouped as nnx.RMSNorm does
+      }
+    }
+    xp = staged.data();
+  }
+  float* yp = y->typed_data();
+  const float* ap = residual ? add.typed_data() : nullptr;
+  // The columns in 8 chunks of whole panels.
+  const int64_t chunk = (wd[0] + 7) / 8 * kPanel;
+  ForEach(pool, (N + chunk - 1) / chunk, [=](int64_t c) {
+    ByRowGroups(xp, w, yp, ap, rows, K, N, c * chunk, std::min(N, (c + 1) * chunk));
+  }, parallel);
+  return ffi::Error::Success();
+}
+
+// Attention of T new queries over the first length[b] cached slots and the T new keys
+// (causal), for the G query heads that share each KV head. Reads only the valid slots,
+// and each cached key and value once for all T·G queries of its head. Every step of a
+// query's arithmetic is the same whatever T is (the same blocks, sums and exp from its
+// first slot on), so a verify-pass row gets the bits of the 1-token step at its position.
 
 // s[r][0..3] = q_r · key_i for R (1 or 2) queries and 4 keys: 4R independent chains.
 template <int R>
@@ -336,6 +397,69 @@ ffi::Error CachedAttention(ffi::ThreadPool pool, Heads q, Heads kn, Heads vn, He
   return ffi::Error::Success();
 }
 
+
+// RoPE (rotate-half) of one head vector: y[i] = x[i] c[i] - x[i + h] s[i],
+// y[i + h] = x[i + h] c[i] + x[i] s[i], i < h = D / 2.
+inline void Rope(const float* x, const float* c, const float* s, float* y, int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    y[i] = x[i] * c[i] - x[i + half] * s[i];
+    y[i + half] = x[i + half] * c[i] + x[i] * s[i];
+  }
+}
+
+using Fused = ffi::Buffer<ffi::F32, 3>;
+
+// A layer's attention from its raw qkv projection [B, T, (H + 2 KVH) D]: RoPE of the new
+// q and k (cos, sin [B, T, D / 2]), attention as CachedAttention, and the new k and v
+// written to slots length[b] + t of the caches, which are the outputs' buffers
+// (aliased): no rotated copies, scatters or cache copies around the call. A slot past
+// the end is dropped (as kv_cache.write drops it). Each unit (row, KV head) reads and
+// writes only its own head's slots.
+ffi::Error RopeAttention(ffi::ThreadPool pool, Fused qkv, Fused cos, Fused sin, Heads kb,
+                         Heads vb, Lengths length, ffi::ResultBuffer<ffi::F32, 3> out,
+                         ffi::ResultBuffer<ffi::F32, 4> kout,
+                         ffi::ResultBuffer<ffi::F32, 4> vout) {
+  const auto xd = qkv.dimensions(), bd = kb.dimensions(), od = out->dimensions();
+  const int64_t B = xd[0], T = xd[1], KVH = bd[1], S = bd[2], D = bd[3];
+  const int64_t H = D ? od[2] / D : 0, half = D / 2, W = xd[2];
+  if (D % 8 || H % KVH || H == 0 || W != (H + 2 * KVH) * D || bd[0] != B ||
+      cos.dimensions()[2] != half || length.dimensions()[0] != B)
+    return ffi::Error::InvalidArgument("SpecjaxRopeAttention: shapes do not match");
+  const float *xp = qkv.typed_data(), *cp = cos.typed_data(), *sp = sin.typed_data();
+  const float *kin = kb.typed_data(), *vin = vb.typed_data();
+  float *kp = kout->typed_data(), *vp = vout->typed_data(), *op = out->typed_data();
+  const int32_t* lens = length.typed_data();
+  const int64_t G = H / KVH;
+  ForEach(pool, B * KVH, [=](int64_t unit) {
+    const int64_t b = unit / KVH, kh = unit % KVH;
+    const int64_t start = std::max<int32_t>(lens[b], 0), len = std::min(start, S);
+    const int64_t slots = ((b * KVH + kh) * S) * D;
+    if (kp != kin) std::memcpy(kp + slots, kin + slots, S * D * sizeof(float));
+    if (vp != vin) std::memcpy(vp + slots, vin + slots, S * D * sizeof(float));
+    // The unit's heads of the new tokens, in CachedAttention's [T, H, D] / [T, KVH, D].
+    std::vector<float> q(T * H * D), k(T * KVH * D), v(T * KVH * D);
+    for (int64_t t = 0; t < T; ++t) {
+      const float* row = xp + (b * T + t) * W;
+      const float *c = cp + (b * T + t) * half, *s = sp + (b * T + t) * half;
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t head = kh * G + g;
+        Rope(row + head * D, c, s, q.data() + (t * H + head) * D, half);
+      }
+      Rope(row + (H + kh) * D, c, s, k.data() + (t * KVH + kh) * D, half);
+      std::memcpy(v.data() + (t * KVH + kh) * D, row + (H + KVH + kh) * D, D * sizeof(float));
+    }
+    std::vector<float> scores(T * G * (RoundUp8(len + T) + 8));
+    AttendHead(q.data(), k.data(), v.data(), kp + slots, vp + slots, op + b * T * H * D,
+               len, T, H, KVH, D, kh, scores.data());
+    for (int64_t t = 0; t < T && start + t < S; ++t) {
+      const int64_t at = slots + (start + t) * D, from = (t * KVH + kh) * D;
+      std::memcpy(kp + at, k.data() + from, D * sizeof(float));
+      std::memcpy(vp + at, v.data() + from, D * sizeof(float));
+    }
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxPanelMatmul, PanelMatmul,
@@ -343,7 +467,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxPanelMatmul, PanelMatmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<Rows>()
                                   .Arg<Panels3>()
-                                  .Ret<Rows>());
+                                  .Arg<Vec>()
+                                  .Arg<Rows>()
+                                  .Ret<Rows>()
+                                  .Attr<bool>("parallel")
+                                  .Attr<float>("eps")
+                                  .Attr<bool>("gated"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxCachedAttention, CachedAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -353,4 +482,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxCachedAttention, CachedAttention,
                                   .Arg<Heads>()
                                   .Arg<Heads>()
                                   .Arg<Lengths>()
+                                  .Ret<Heads>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxRopeAttention, RopeAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Fused>()
+                                  .Arg<Fused>()
+                                  .Arg<Fused>()
+                                  .Arg<Heads>()
+                                  .Arg<Heads>()
+                                  .Arg<Lengths>()
+                                  .Ret<Fused>()
+                                  .Ret<Heads>()
                                   .Ret<Heads>());

@@ -55,14 +55,20 @@ def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
   return inv_freq.astype(np.float32)
 
 
+def rope_angles(positions: jax.Array, freqs):
+  """(cos, sin) float32 [B, T, D // 2] of positions int[B, T] times `rope_frequencies`."""
+  angles = positions[..., None].astype(jnp.float32) * freqs
+  return jnp.cos(angles), jnp.sin(angles)
+
+
 def rope(x: jax.Array, positions: jax.Array, freqs) -> jax.Array:
   """Rotary embedding in the rotate-half layout (the one Hugging Face Llama uses).
 
   x: [B, T, H, D]; positions: int[B, T]; freqs: float32[D // 2], `rope_frequencies`.
   """
   half = x.shape[-1] // 2
-  angles = positions[..., None].astype(jnp.float32) * freqs  # [B, T, half]
-  cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+  cos, sin = rope_angles(positions, freqs)
+  cos, sin = cos[:, :, None, :], sin[:, :, None, :]
   x1, x2 = x[..., :half], x[..., half:]
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 

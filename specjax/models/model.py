@@ -23,7 +23,7 @@ from specjax.models import cpu_kernels
 from specjax.models import kv_cache
 from specjax.models import quantization
 from specjax.models.config import ModelConfig
-from specjax.models.layers import attend, rope, rope_frequencies, split_fused
+from specjax.models.layers import attend, rope, rope_angles, rope_frequencies, split_fused
 
 Params = dict[str, Any]
 
@@ -50,6 +50,11 @@ MODEL_AXIS = {
 # row at a time (`rowwise`) and attend over the cache one query row at a time
 # (`layers.attend`'s rows_apart).
 CPU_ROWWISE_MAX_ROWS = 9
+
+
+# With weights laid out for specjax's CPU kernels, a layer's cached attention runs in one
+# kernel call from the qkv projection (`Attention._fused`). Read when a function is traced.
+CPU_FUSED_ATTENTION = True
 
 
 # True while a decode on a device mesh is traced (`whole_rows`): there the batch is split
@@ -192,6 +197,14 @@ class Attention(nnx.Module):
     b, t, _ = x.shape
     h, kvh, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     g = cfg.qkv_groups
+    if self._fused(cache, mask):
+      # specjax's CPU kernel takes the projection as it comes and does RoPE, attention
+      # and the KV write in one call, the caches updated in place.
+      k_buf, v_buf, length = cache
+      cos, sin = rope_angles(positions, rope_frequencies(cfg))
+      out, k_buf, v_buf = cpu_kernels.rope_attention(self.qkv(x), cos, sin, k_buf, v_buf,
+                                                     length, h)
+      return self.out(out), (k_buf, v_buf)
     q, k, v = split_fused(self.qkv(x), g, (h // g * d, kvh // g * d, kvh // g * d))
     q, k, v = q.reshape(b, t, h, d), k.reshape(b, t, kvh, d), v.reshape(b, t, kvh, d)
     if cfg.qk_norm:
@@ -211,6 +224,16 @@ class Attention(nnx.Module):
     k_buf = kv_cache.write(k_buf, k + zero, length)
     v_buf = kv_cache.write(v_buf, v + zero, length)
     return self.out(out), (k_buf, v_buf)
+
+
+  def _fused(self, cache, mask) -> bool:
+    """Whether `cpu_kernels.rope_attention` runs this layer's cached attention: weights
+    laid out by `cpu_layout`, float32 caches, RoPE, one qkv group, no q/k norm, no tree
+    mask, head dims in multiples of 8. Prefill too (its length is 0, nothing is read)."""
+    cfg = self.cfg
+    return (CPU_FUSED_ATTENTION and cache is not None and mask is None and self.qkv.kernel[...].ndim == 3
+            and cache[0].dtype == jnp.float32 and cfg.position == "rope"
+            and cfg.qkv_groups == 1 and not cfg.qk_norm and cfg.head_dim % 8 == 0)
 
 
 class MLP(nnx.Module):
@@ -242,9 +265,38 @@ class Block(nnx.Module):
     self.mlp = MLP(cfg, rngs)
 
   def __call__(self, x, positions, cache=None, read_cache=True, mask=None):
+    if self._fused(cache, mask):
+      return self._fused_call(x, positions, cache)
     attn_out, cache = self.attn(self.attn_norm(x), positions, cache, read_cache, mask)
     x = x + attn_out
     return x + self.mlp(self.mlp_norm(x)), cache
+
+  def _fused(self, cache, mask) -> bool:
+    """Whether the whole block runs as five calls of specjax's CPU kernels: where its
+    attention does (`Attention._fused`), with RMSNorm, SwiGLU in one group and no biases."""
+    cfg = self.attn.cfg
+    return (self.attn._fused(cache, mask) and cfg.norm == "rmsnorm" and cfg.mlp == "swiglu"
+            and cfg.mlp_groups == 1 and not (cfg.qkv_bias or cfg.out_bias or cfg.mlp_bias)
+            and all(m.kernel[...].ndim == 3 for m in (self.attn.out, self.mlp.up, self.mlp.down)))
+
+  def _fused_call(self, x, positions, cache):
+    # Each norm, the SwiGLU product and each residual add is done by the product next to
+    # it, on its rows: a few-token pass of a small model otherwise spends as long in
+    # those small XLA ops as in its matrix products.
+    cfg, attn, mlp = self.attn.cfg, self.attn, self.mlp
+    b, t, d = x.shape
+    flat = x.reshape(b * t, d)
+    qkv = cpu_kernels.panel_matmul(flat, attn.qkv.kernel[...], self.attn_norm.scale[...],
+                                   cfg.norm_eps)
+    k_buf, v_buf, length = cache
+    cos, sin = rope_angles(positions, rope_frequencies(cfg))
+    out, k_buf, v_buf = cpu_kernels.rope_attention(qkv.reshape(b, t, -1), cos, sin, k_buf,
+                                                   v_buf, length, cfg.n_heads)
+    flat = cpu_kernels.panel_matmul(out.reshape(b * t, -1), attn.out.kernel[...], add=flat)
+    hidden = cpu_kernels.panel_matmul(flat, mlp.up.kernel[...], self.mlp_norm.scale[...],
+                                      cfg.norm_eps)
+    flat = cpu_kernels.panel_matmul(hidden, mlp.down.kernel[...], gated=True, add=flat)
+    return flat.reshape(b, t, d), (k_buf, v_buf)
 
 
 class Transformer(nnx.Module):
@@ -283,11 +335,18 @@ class Transformer(nnx.Module):
         ks.append(new_cache[0])
         vs.append(new_cache[1])
     features = x
-    x = self.final_norm(x)
-    if self.cfg.tie_embeddings:
-      logits = self.embed.attend(x)
+    head = self.embed.embedding if self.cfg.tie_embeddings else self.lm_head.kernel
+    if (head[...].ndim == 3 and self.cfg.norm == "rmsnorm" and CPU_FUSED_ATTENTION
+        and (self.cfg.tie_embeddings or self.lm_head.bias is None)):
+      # Laid out by `cpu_layout`: the final norm is done by the head's product.
+      b, t, d = x.shape
+      logits = cpu_kernels.panel_matmul(x.reshape(b * t, d), head[...],
+                                        self.final_norm.scale[...], self.cfg.norm_eps)
+      logits = logits.reshape(b, t, -1)
+    elif self.cfg.tie_embeddings:
+      logits = self.embed.attend(self.final_norm(x))
     else:
-      logits = self.lm_head(x)
+      logits = self.lm_head(self.final_norm(x))
     out = logits.astype(jnp.float32), (tuple(ks), tuple(vs))
     return out + (features,) if hidden else out
 
