@@ -68,38 +68,56 @@ constexpr int kRowGroup = 9;
 constexpr int kRowGroup = 6;
 #endif
 
-// y[r, j0 : j0 + 16] for R rows from one panel p[K, 16].
-template <int R>
+// y[r, j0 : j0 + 16 P] for R rows from P consecutive panels p[P, K, 16]. Each output
+// column is summed over k in order whatever R and P are; P > 1 gives a few rows more
+// independent multiply-add chains (one row of one panel is two chains, each waiting
+// out the multiply-add latency at every k).
+template <int R, int P>
 inline void PanelRows(const float* x, const float* p, float* y, const float* add,
                       int64_t K, int64_t N, int64_t j0) {
-  v8 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = v8{};
+  v8 acc[R][2 * P];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 2 * P; ++c) acc[r][c] = v8{};
   for (int64_t k = 0; k < K; ++k) {
-    v8 w0 = Load(p + k * kPanel), w1 = Load(p + k * kPanel + 8);
-    InRegister(w0), InRegister(w1);
+    v8 w[2 * P];
+    for (int c = 0; c < P; ++c) {
+      w[2 * c] = Load(p + (c * K + k) * kPanel);
+      w[2 * c + 1] = Load(p + (c * K + k) * kPanel + 8);
+      InRegister(w[2 * c]), InRegister(w[2 * c + 1]);
+    }
     for (int r = 0; r < R; ++r) {
       const float xs = x[r * K + k];
-      acc[r][0] += xs * w0;
-      acc[r][1] += xs * w1;
+      for (int c = 0; c < 2 * P; ++c) acc[r][c] += xs * w[c];
     }
   }
   if (add) {  // the residual stream: add + x·W, as XLA adds them
-    for (int r = 0; r < R; ++r) {
-      acc[r][0] = Load(add + r * N + j0) + acc[r][0];
-      acc[r][1] = Load(add + r * N + j0 + 8) + acc[r][1];
-    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 2 * P; ++c) acc[r][c] = Load(add + r * N + j0 + 8 * c) + acc[r][c];
   }
-  for (int r = 0; r < R; ++r) {
-    Store(y + r * N + j0, acc[r][0]);
-    Store(y + r * N + j0 + 8, acc[r][1]);
-  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 2 * P; ++c) Store(y + r * N + j0 + 8 * c, acc[r][c]);
+}
+
+// Panels per pass for R rows: at least 8 chains where the registers hold them
+// (accumulators 2RP + weights 2P + a broadcast).
+template <int R>
+constexpr int PanelsPerPass() {
+#if defined(__AVX512VL__)
+  return R == 1 ? 4 : R <= 3 ? 2 : 1;
+#else
+  return R <= 2 ? 2 : 1;
+#endif
 }
 
 // Columns [n0, n1) of y for R rows.
 template <int R>
 void Panels(const float* x, const float* p, float* y, const float* add, int64_t K,
             int64_t N, int64_t n0, int64_t n1) {
-  for (int64_t j = n0; j < n1; j += kPanel) PanelRows<R>(x, p + j * K, y, add, K, N, j);
+  constexpr int P = PanelsPerPass<R>();
+  int64_t j = n0;
+  for (; j + P * kPanel <= n1; j += P * kPanel)
+    PanelRows<R, P>(x, p + j * K, y, add, K, N, j);
+  for (; j < n1; j += kPanel) PanelRows<R, 1>(x, p + j * K, y, add, K, N, j);
 }
 
 using Kernel = void (*)(const float*, const float*, float*, const float*, int64_t, int64_t,
@@ -215,7 +233,7 @@ ffi::Error PanelMatmul(ffi::ThreadPool pool, Rows x, Panels3 wp, Vec scale, Rows
       (norm && scale.dimensions()[0] != K) ||
       (residual && (add.dimensions()[0] != rows || add.dimensions()[1] != N)))
     return ffi::Error::InvalidArgument("SpecjaxPanelMatmul: shapes do not match");
-  const float *xp = x.typed_data(), *w = wp.typed_data();
+  const float* xp = x.typed_data();
   std::vector<float> staged;
   if (norm || gated) {
     staged.resize(rows * K);
@@ -243,6 +261,7 @@ ffi::Error PanelMatmul(ffi::ThreadPool pool, Rows x, Panels3 wp, Vec scale, Rows
   const float* ap = residual ? add.typed_data() : nullptr;
   // The columns in 8 chunks of whole panels.
   const int64_t chunk = (wd[0] + 7) / 8 * kPanel;
+  const float* w = wp.typed_data();
   ForEach(pool, (N + chunk - 1) / chunk, [=](int64_t c) {
     ByRowGroups(xp, w, yp, ap, rows, K, N, c * chunk, std::min(N, (c + 1) * chunk));
   }, parallel);
