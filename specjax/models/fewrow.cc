@@ -134,6 +134,16 @@ void ByRowGroups(const float* x, const float* w, float* y, const float* add, int
   }
 }
 
+// A thread's scratch array of n T (slot I: the arrays one call uses at once), kept for the
+// next call: a call allocates nothing once the sizes are reached (a malloc per array
+// and head was a tenth of a 1-token step's attention).
+template <typename T, int I>
+T* Scratch(int64_t n) {
+  thread_local std::vector<T> buffer;
+  if (static_cast<int64_t>(buffer.size()) < n) buffer.resize(n);
+  return buffer.data();
+}
+
 // fn(i) for i in [0, n), claimed in turn by the calling thread and one pool thread.
 // The caller never waits for an item nobody has claimed, so a busy pool costs only
 // speed; a helper that starts late finds nothing left and touches no buffer.
@@ -234,13 +244,13 @@ ffi::Error PanelMatmul(ffi::ThreadPool pool, Rows x, Panels3 wp, Vec scale, Rows
       (residual && (add.dimensions()[0] != rows || add.dimensions()[1] != N)))
     return ffi::Error::InvalidArgument("SpecjaxPanelMatmul: shapes do not match");
   const float* xp = x.typed_data();
-  std::vector<float> staged;
+  float* staged = nullptr;
   if (norm || gated) {
-    staged.resize(rows * K);
+    staged = Scratch<float, 0>(rows * K);
     const float* g = scale.typed_data();
     for (int64_t r = 0; r < rows; ++r) {
       const float* in = xp + r * xd[1];
-      float* o = staged.data() + r * K;
+      float* o = staged + r * K;
       if (gated)
         Swiglu(in, in + K, o, K);
       else
@@ -255,7 +265,7 @@ ffi::Error PanelMatmul(ffi::ThreadPool pool, Rows x, Panels3 wp, Vec scale, Rows
         for (int64_t k = 0; k < K; ++k) o[k] = o[k] * (inv * g[k]);  // grouped as nnx.RMSNorm does
       }
     }
-    xp = staged.data();
+    xp = staged;
   }
   float* yp = y->typed_data();
   const float* ap = residual ? add.typed_data() : nullptr;
@@ -338,9 +348,10 @@ void AttendHead(const float* q, const float* kn, const float* vn, const float* k
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   auto key = [&](int64_t j) { return j < len ? kb + j * D : kn + ((j - len) * KVH + kh) * D; };
   auto value = [&](int64_t j) { return j < len ? vb + j * D : vn + ((j - len) * KVH + kh) * D; };
-  std::vector<const float*> qs(rows);
-  std::vector<float*> w(rows), o(rows);
-  std::vector<int64_t> seen(rows);
+  const float** qs = Scratch<const float*, 0>(rows);
+  float** w = Scratch<float*, 0>(rows);
+  float** o = Scratch<float*, 1>(rows);
+  int64_t* seen = Scratch<int64_t, 0>(rows);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = r / G, head = t * H + kh * G + r % G;
     qs[r] = q + head * D, o[r] = out + head * D, w[r] = scores + r * stride;
@@ -366,7 +377,16 @@ void AttendHead(const float* q, const float* kn, const float* vn, const float* k
   for (int64_t r = 0; r < rows; ++r) {
     float* sc = w[r];
     float m = sc[0];
-    for (int64_t j = 1; j < seen[r]; ++j) m = std::max(m, sc[j]);
+    int64_t j = 0;  // the max in vectors (the same value in any order)
+    if (seen[r] >= 8) {
+      v8 mv = Load(sc);
+      for (j = 8; j + 8 <= seen[r]; j += 8) {
+        const v8 x = Load(sc + j);
+        mv = x > mv ? x : mv;
+      }
+      for (int l = 0; l < 8; ++l) m = std::max(m, mv[l]);
+    }
+    for (; j < seen[r]; ++j) m = std::max(m, sc[j]);
     v8 total{};
     for (int64_t j = 0; j < seen[r]; j += 8) {  // slots past seen: 0, in the padding
       const v8 e = Exp(Load(sc + j) - m);
@@ -378,9 +398,9 @@ void AttendHead(const float* q, const float* kn, const float* vn, const float* k
     for (int64_t j = 0; j < seen[r]; ++j) sc[j] *= inv;
   }
   switch (D) {
-    case 32: WeightedSums<4>(w.data(), seen.data(), value, o.data(), rows); break;
-    case 64: WeightedSums<8>(w.data(), seen.data(), value, o.data(), rows); break;
-    case 128: WeightedSums<16>(w.data(), seen.data(), value, o.data(), rows); break;
+    case 32: WeightedSums<4>(w, seen, value, o, rows); break;
+    case 64: WeightedSums<8>(w, seen, value, o, rows); break;
+    case 128: WeightedSums<16>(w, seen, value, o, rows); break;
     default:
       for (int64_t r = 0; r < rows; ++r) {
         for (int64_t d = 0; d < D; ++d) o[r][d] = 0.f;
@@ -407,11 +427,11 @@ ffi::Error CachedAttention(ffi::ThreadPool pool, Heads q, Heads kn, Heads vn, He
   ForEach(pool, B * KVH, [=](int64_t unit) {
     const int64_t b = unit / KVH, kh = unit % KVH;
     const int64_t len = std::min<int64_t>(std::max<int32_t>(lens[b], 0), S);
-    std::vector<float> scores(T * (H / KVH) * (RoundUp8(len + T) + 8));
+    float* scores = Scratch<float, 1>(T * (H / KVH) * (RoundUp8(len + T) + 8));
     const int64_t slots = ((b * KVH + kh) * S) * D;
     AttendHead(qp + b * T * H * D, knp + b * T * KVH * D, vnp + b * T * KVH * D,
                kbp + slots, vbp + slots, op + b * T * H * D, len, T, H, KVH, D, kh,
-               scores.data());
+               scores);
   });
   return ffi::Error::Success();
 }
@@ -456,24 +476,25 @@ ffi::Error RopeAttention(ffi::ThreadPool pool, Fused qkv, Fused cos, Fused sin, 
     if (kp != kin) std::memcpy(kp + slots, kin + slots, S * D * sizeof(float));
     if (vp != vin) std::memcpy(vp + slots, vin + slots, S * D * sizeof(float));
     // The unit's heads of the new tokens, in CachedAttention's [T, H, D] / [T, KVH, D].
-    std::vector<float> q(T * H * D), k(T * KVH * D), v(T * KVH * D);
+    float *q = Scratch<float, 2>(T * H * D), *k = Scratch<float, 3>(T * KVH * D);
+    float* v = Scratch<float, 4>(T * KVH * D);
     for (int64_t t = 0; t < T; ++t) {
       const float* row = xp + (b * T + t) * W;
       const float *c = cp + (b * T + t) * half, *s = sp + (b * T + t) * half;
       for (int64_t g = 0; g < G; ++g) {
         const int64_t head = kh * G + g;
-        Rope(row + head * D, c, s, q.data() + (t * H + head) * D, half);
+        Rope(row + head * D, c, s, q + (t * H + head) * D, half);
       }
-      Rope(row + (H + kh) * D, c, s, k.data() + (t * KVH + kh) * D, half);
-      std::memcpy(v.data() + (t * KVH + kh) * D, row + (H + KVH + kh) * D, D * sizeof(float));
+      Rope(row + (H + kh) * D, c, s, k + (t * KVH + kh) * D, half);
+      std::memcpy(v + (t * KVH + kh) * D, row + (H + KVH + kh) * D, D * sizeof(float));
     }
-    std::vector<float> scores(T * G * (RoundUp8(len + T) + 8));
-    AttendHead(q.data(), k.data(), v.data(), kp + slots, vp + slots, op + b * T * H * D,
-               len, T, H, KVH, D, kh, scores.data());
+    float* scores = Scratch<float, 1>(T * G * (RoundUp8(len + T) + 8));
+    AttendHead(q, k, v, kp + slots, vp + slots, op + b * T * H * D,
+               len, T, H, KVH, D, kh, scores);
     for (int64_t t = 0; t < T && start + t < S; ++t) {
       const int64_t at = slots + (start + t) * D, from = (t * KVH + kh) * D;
-      std::memcpy(kp + at, k.data() + from, D * sizeof(float));
-      std::memcpy(vp + at, v.data() + from, D * sizeof(float));
+      std::memcpy(kp + at, k + from, D * sizeof(float));
+      std::memcpy(vp + at, v + from, D * sizeof(float));
     }
   });
   return ffi::Error::Success();
