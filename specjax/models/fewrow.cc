@@ -269,8 +269,8 @@ ffi::Error PanelMatmul(ffi::ThreadPool pool, Rows x, Panels3 wp, Vec scale, Rows
   }
   float* yp = y->typed_data();
   const float* ap = residual ? add.typed_data() : nullptr;
-  // The columns in 8 chunks of whole panels.
-  const int64_t chunk = (wd[0] + 7) / 8 * kPanel;
+  // The columns in up to 8 chunks of whole passes (4 panels), or in one on one thread.
+  const int64_t chunk = parallel ? ((wd[0] + 7) / 8 + 3) / 4 * 4 * kPanel : N;
   const float* w = wp.typed_data();
   ForEach(pool, (N + chunk - 1) / chunk, [=](int64_t c) {
     ByRowGroups(xp, w, yp, ap, rows, K, N, c * chunk, std::min(N, (c + 1) * chunk));
