@@ -4,6 +4,7 @@ r"""Where the time of a cached forward goes, per op, for T new tokens; and v(γ)
   python -m experiments.profile_forward --tokens=1,2,5,9 --pairs=9 --max_gamma=8
   python -m experiments.profile_forward --rowwise_max_rows=0   # row by row off (projections, attention)
   python -m experiments.profile_forward --rounds=none,ngram,model   # + decode rounds, kernels on / off
+  python -m experiments.profile_forward --off=fused --rounds=none,ngram,model  # fused layer calls on / off
 
 Three tables, each from paired, interleaved timing (the machine is shared: nothing here
 is a ratio of two separate runs; each ratio is the median of per-round ratios, with its
@@ -65,30 +66,46 @@ _TRACE = flags.DEFINE_bool("trace", True, "Print the in-situ per-op table (jax.p
 _OPS = flags.DEFINE_bool("ops", True, "Print the per-op table of pieces timed alone.")
 _COMPARE = flags.DEFINE_bool("compare", True, "Pair every pass with the same pass with "
                              "--off turned off.")
-_OFF = flags.DEFINE_enum("off", "kernels", ["kernels", "rowwise"], "What --compare turns "
-                         "off: kernels = specjax's few-row CPU kernels (cpu_kernels.ENABLED = "
-                         "False: the row-by-row XLA products of before); rowwise = both, and "
-                         "row by row (model.CPU_ROWWISE_MAX_ROWS = 0: XLA's own products "
-                         "with the rows together).")
+_OFF = flags.DEFINE_enum("off", "kernels", ["kernels", "rowwise", "fused"], "What "
+                         "--compare and --rounds turn off: kernels = specjax's few-row CPU "
+                         "kernels (cpu_kernels.ENABLED = False: the row-by-row XLA products "
+                         "of before); rowwise = both, and row by row "
+                         "(model.CPU_ROWWISE_MAX_ROWS = 0: XLA's own products with the rows "
+                         "together); fused = only the fused layer calls (model."
+                         "CPU_FUSED_ATTENTION = False: a kernel per product and per "
+                         "attention, XLA's norms, RoPE, SwiGLU, residuals and KV writes).")
 _ROWWISE = flags.DEFINE_integer("rowwise_max_rows", None, "Override "
                                 "model.CPU_ROWWISE_MAX_ROWS for everything timed.")
 _ROUNDS = flags.DEFINE_list("rounds", [], "Drafters (none, ngram, model) whose decode "
-                            "rounds, γ = 4, T = 0, are timed with the kernels on and off.")
+                            "rounds, γ = 4, T = 0, are timed with --off's choice on and off.")
 _DRAFT = flags.DEFINE_string("draft", "stdlib-draft", "Draft model for --rounds=model.")
 _FLOOR = flags.DEFINE_integer("floor_tokens", 64, "Also time a pass of this many tokens "
                               "(per-token cost at full GEMM throughput); 0: skip.")
 
 
 @contextlib.contextmanager
-def rowwise_max(rows: int, kernels: bool = True):
-  """Traces inside the block use `model.CPU_ROWWISE_MAX_ROWS = rows` and
-  `cpu_kernels.ENABLED = kernels` (timers lay out and compile here)."""
-  saved = model_lib.CPU_ROWWISE_MAX_ROWS, cpu_kernels.ENABLED
+def rowwise_max(rows: int, kernels: bool = True, fused: bool = True):
+  """Traces inside the block use `model.CPU_ROWWISE_MAX_ROWS = rows`,
+  `cpu_kernels.ENABLED = kernels` and `model.CPU_FUSED_ATTENTION = fused` (timers lay out
+  and compile here)."""
+  saved = model_lib.CPU_ROWWISE_MAX_ROWS, cpu_kernels.ENABLED, model_lib.CPU_FUSED_ATTENTION
   model_lib.CPU_ROWWISE_MAX_ROWS, cpu_kernels.ENABLED = rows, kernels
+  model_lib.CPU_FUSED_ATTENTION = fused
   try:
     yield
   finally:
-    model_lib.CPU_ROWWISE_MAX_ROWS, cpu_kernels.ENABLED = saved
+    (model_lib.CPU_ROWWISE_MAX_ROWS, cpu_kernels.ENABLED,
+     model_lib.CPU_FUSED_ATTENTION) = saved
+
+
+def switched(off: bool):
+  """`rowwise_max` with --off's choice turned off (off=True) or everything on."""
+  rows = model_lib.CPU_ROWWISE_MAX_ROWS
+  if not off:
+    return rowwise_max(rows)
+  return {"kernels": lambda: rowwise_max(rows, kernels=False),
+          "rowwise": lambda: rowwise_max(0, kernels=False),
+          "fused": lambda: rowwise_max(rows, fused=False)}[_OFF.value]()
 
 
 def cpu_model() -> str:
@@ -344,14 +361,13 @@ def main(argv):
                 lambda name, t: times[name, 1][ts.index(t) - 1::n])
 
   # v(γ): the 1-token step right before each (γ+1)-token pass, every round; with
-  # --compare, the same pair again with row by row off.
+  # --compare, the same pair again with --off's choice turned off.
   gammas = list(range(1, _MAX_GAMMA.value + 1))
   sides = ["now"] + (["off"] if _COMPARE.value else [])
   fwd = {}
   for side in sides:
     off = side == "off"
-    with rowwise_max(0 if off and _OFF.value == "rowwise" else model_lib.CPU_ROWWISE_MAX_ROWS,
-                     kernels=not off):
+    with switched(off):
       for t in [1] + [g + 1 for g in gammas]:
         fwd[side, t] = forward_timer(model, batch, t, context, cache, iters)
   one = {(side, g): [] for side in sides for g in gammas}
@@ -366,7 +382,7 @@ def main(argv):
   for side in sides:
     step = [s for g in gammas for s in one[side, g]]
     t1 = statistics.median(step)
-    label = "" if side == "now" else " (row by row off)"
+    label = "" if side == "now" else f" ({_OFF.value} off)"
     print(f"1-token step{label}: {t1 * 1e3:.3f} ms (min {min(step) * 1e3:.3f}, max "
           f"{max(step) * 1e3:.3f}), {forward_flops(cfg, 1, context) * batch / t1 / 1e9:.1f} "
           "GFLOP/s")
@@ -409,7 +425,7 @@ def round_table(model, context, pairs, rounds=16):
   """Decode rounds per drafter with specjax's CPU kernels on / off, paired."""
   prompt = jax.random.randint(jax.random.PRNGKey(0), (1, context), 0,
                               model.config.vocab_size).tolist()
-  print("\n| drafter | round ms, kernels on | round ms, off | on / off |\n|---|---|---|---|")
+  print(f"\n| drafter | round ms | {_OFF.value} off | now / off |\n|---|---|---|---|")
   for name in _ROUNDS.value:
     kw = dict(max_new_tokens=rounds * 5 + 8, temperature=0.0, top_k=0, top_p=1.0,
               eos_id=None)
@@ -420,7 +436,7 @@ def round_table(model, context, pairs, rounds=16):
     prepared = costs._prepare(model, prompt, kw)
     timers = {}
     for on in (True, False):
-      with rowwise_max(model_lib.CPU_ROWWISE_MAX_ROWS, kernels=on):
+      with switched(not on):
         timers[on] = costs.round_timer(prepared, rounds)
     got = costs.paired(timers[True], timers[False], pairs=pairs)
     print(f"| {name} | {statistics.median(got['method_s']) / rounds * 1e3:.3f} | "
