@@ -9,6 +9,9 @@ kernels read each weight element once, from panels laid out once per call by `pa
 and use it for every row; the columns are split between the calling thread and one
 XLA pool thread. `cached_attention` does the same for attention over the KV cache: it
 reads each valid cached key and value once for all new queries, and no stale slot.
+`rope_attention` is a layer's RoPE, attention and KV write in one call, and
+`panel_matmul` also does the RMSNorm or SwiGLU before a product and the residual add
+after it, so a Llama-shaped layer is five calls (`model.Block._fused_call`).
 
 The library is compiled on first use (a few seconds) into a cache directory
 ($SPECJAX_CACHE_DIR, else ~/.cache/specjax) under a name that hashes the source, the
