@@ -154,6 +154,20 @@ class KernelTest(parameterized.TestCase):
     np.testing.assert_array_equal(k_buf, k_all)
     np.testing.assert_array_equal(v_buf, v_all)
 
+  def test_top_is_argmax_and_the_support(self):
+    # V = 2051: a tail past the vectors; a row of -inf, a row with two NaNs (the first
+    # wins, as jnp.argmax's), a one-hot row; batched under vmap along any axis.
+    x = _rand(12, (3, 5, 2051))
+    x = x.at[0, 0].set(-jnp.inf).at[1, 2, 7].set(jnp.nan).at[1, 2, 900].set(jnp.nan)
+    x = x.at[2, 4].set(jax.nn.one_hot(2050, 2051))
+    index, count = jax.jit(cpu_kernels.top)(x)
+    np.testing.assert_array_equal(index, jnp.argmax(x, axis=-1))
+    np.testing.assert_array_equal(count, jnp.sum(x > 0, axis=-1))
+    self.assertEqual(int(count[2, 4]), 1)
+    for axis in (0, 1):
+      got = jax.vmap(cpu_kernels.top, in_axes=axis, out_axes=axis)(x)[0]
+      np.testing.assert_array_equal(got, jnp.argmax(x, axis=-1))
+
   def test_pack_round_trip(self):
     w = _rand(7, (5, 32))
     np.testing.assert_array_equal(cpu_kernels.unpack(cpu_kernels.pack(w)), w)

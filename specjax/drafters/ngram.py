@@ -7,6 +7,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from specjax.processors.sampling import argmax
+
 
 @dataclasses.dataclass(frozen=True)
 class NgramDrafter:
@@ -40,13 +42,22 @@ class NgramDrafter:
     earlier = jnp.take(tokens, starts[None, :] - ks, mode="clip")
     suffix = jnp.take(tokens, n - ks, mode="clip")
     same = (earlier == suffix) & (starts[None, :] - ks >= 0) & (n - ks >= 0)
-    match_len = jnp.sum(jnp.cumprod(same.astype(jnp.int32), axis=0), axis=0)
+    # The length of the leading run of matches, unrolled over the max_n rows (a
+    # cumulative product is a reduce-window thunk on XLA:CPU).
+    run, match_len = same[0], same[0].astype(jnp.int32)
+    for k in range(1, self.max_n):
+      run = run & same[k]
+      match_len = match_len + run
+
     ok = (starts < n) & (match_len >= self.min_n)
     return jnp.where(ok, match_len * size + starts, -1)
 
   def _propose_row(self, tokens, n):
     score = self._scores(tokens, n)
-    best = jnp.argmax(score)
+    if (self.max_n + 1) * score.shape[0] < 2 ** 24:  # exact in float32: one fast argmax
+      best = argmax(score.astype(jnp.float32))
+    else:
+      best = jnp.argmax(score)
     best = jnp.where(score[best] >= 0, best, n - 1)
     period = n - best
     return jnp.take(tokens, best + jnp.arange(self.gamma) % period, mode="clip")

@@ -42,7 +42,8 @@ ENABLED = True
 SOURCE = pathlib.Path(__file__).with_name("fewrow.cc")
 _TARGETS = {"specjax_panel_matmul": "SpecjaxPanelMatmul",
             "specjax_cached_attention": "SpecjaxCachedAttention",
-            "specjax_rope_attention": "SpecjaxRopeAttention"}
+            "specjax_rope_attention": "SpecjaxRopeAttention",
+            "specjax_top": "SpecjaxTop"}
 
 
 def _cpu_id() -> str:
@@ -197,3 +198,13 @@ def rope_attention(qkv, cos, sin, k_buf, v_buf, length, n_heads: int):
   return jax.ffi.ffi_call("specjax_rope_attention", (out, *bufs),
                           input_output_aliases={3: 1, 4: 2})(
                               qkv, cos, sin, k_buf, v_buf, length.astype(jnp.int32))
+
+
+def top(x: jax.Array):
+  """(jnp.argmax(x, axis=-1), the number of entries > 0) over the last axis of float32
+  x [..., V], both int32 [...], in one call (`SpecjaxTop`; XLA:CPU runs each reduction
+  over a vocabulary as three thunks). Batched under vmap."""
+  _require()
+  out = [jax.ShapeDtypeStruct(x.shape[:-1], jnp.int32)] * 2
+  return tuple(jax.ffi.ffi_call("specjax_top", out, vmap_method="broadcast_all")(
+      x.astype(jnp.float32)))

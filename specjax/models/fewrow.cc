@@ -500,6 +500,46 @@ ffi::Error RopeAttention(ffi::ThreadPool pool, Fused qkv, Fused cos, Fused sin, 
   return ffi::Error::Success();
 }
 
+// argmax over the last axis of x [R, V] (the first maximum; the first NaN if there is
+// one, as jnp.argmax), and how many entries are > 0 (a point mass has one). XLA:CPU
+// splits every reduction over a vocabulary into three thunks (two reduce-windows and a
+// reduce), and an argmax is two reductions: six small ops per draft step and pass,
+// against one call here.
+ffi::Error Top(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> index,
+               ffi::ResultBuffer<ffi::S32> count) {
+  const auto xd = x.dimensions();
+  const int64_t V = xd.size() ? xd[xd.size() - 1] : 0, R = V ? x.element_count() / V : 0;
+  if (V == 0 || index->element_count() != R || count->element_count() != R)
+    return ffi::Error::InvalidArgument("SpecjaxTop: shapes do not match");
+  const float* xp = x.typed_data();
+  int32_t *ip = index->typed_data(), *cp = count->typed_data();
+  for (int64_t r = 0; r < R; ++r) {
+    const float* row = xp + r * V;
+    v8 top = Broadcast(-INFINITY), positive{};
+    v8i nan{};
+    int64_t j = 0;
+    for (; j + 8 <= V; j += 8) {
+      const v8 v = Load(row + j);
+      top = v > top ? v : top;
+      nan |= (v8i)(v != v);
+      positive += (v8)((v8i)(v > 0.0f) & (v8i)Broadcast(1.0f));
+    }
+    float m = -INFINITY, n = 0.f;
+    bool any_nan = false;
+    for (int l = 0; l < 8; ++l) m = std::max(m, top[l]), any_nan |= nan[l] != 0, n += positive[l];
+    for (; j < V; ++j) m = std::max(m, row[j]), any_nan |= row[j] != row[j], n += row[j] > 0.0f;
+    int64_t at = 0;
+    if (any_nan) {
+      while (row[at] == row[at]) ++at;
+    } else {
+      while (row[at] != m) ++at;
+    }
+    ip[r] = static_cast<int32_t>(at);
+    cp[r] = static_cast<int32_t>(n);
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxPanelMatmul, PanelMatmul,
@@ -535,3 +575,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxRopeAttention, RopeAttention,
                                   .Ret<Fused>()
                                   .Ret<Heads>()
                                   .Ret<Heads>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxTop, Top,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());

@@ -19,7 +19,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specjax.processors.sampling import argmax, sample
+from specjax.models import cpu_kernels
+from specjax.processors.sampling import argmax, kernels_in_use, sample
 
 
 def acceptance_prob(p: jax.Array, q: jax.Array, y: jax.Array) -> jax.Array:
@@ -27,6 +28,15 @@ def acceptance_prob(p: jax.Array, q: jax.Array, y: jax.Array) -> jax.Array:
   py = jnp.take_along_axis(p, y[..., None], axis=-1)[..., 0]
   qy = jnp.take_along_axis(q, y[..., None], axis=-1)[..., 0]
   return jnp.where(py >= qy, 1.0, py / jnp.where(qy > 0, qy, 1.0))
+
+
+def accepted_prefix(accepted: jax.Array) -> jax.Array:
+  """int32 [...]: how many leading entries of accepted bool [..., γ] are True (the index
+  of the first False, or γ): one reduction (a cumulative product is a reduce-window
+  thunk on XLA:CPU)."""
+  gamma = accepted.shape[-1]
+  return jnp.min(jnp.where(accepted, gamma, jnp.arange(gamma, dtype=jnp.int32)),
+                 axis=-1, initial=gamma).astype(jnp.int32)  # γ = 0: 0
 
 
 def residual(p: jax.Array, q: jax.Array) -> jax.Array:
@@ -61,7 +71,7 @@ def verify(key: jax.Array, draft_tokens: jax.Array, q: jax.Array, p: jax.Array,
   key_accept, key_next = jax.random.split(key)
   u = jax.random.uniform(key_accept, (gamma,))
   accepted = u < acceptance_prob(p[:gamma], q, draft_tokens)  # u < 1 always: a = 1 accepts
-  n_accepted = jnp.sum(jnp.cumprod(accepted.astype(jnp.int32))).astype(jnp.int32)
+  n_accepted = accepted_prefix(accepted)
   # Row γ of the padded q is zero, so the "residual" there is p_{γ+1}: the bonus.
   q_pad = jnp.concatenate([q, jnp.zeros((1, vocab), q.dtype)], axis=0)
   next_dist = residual(p[n_accepted], q_pad[n_accepted])
@@ -88,7 +98,7 @@ def verify_point_masses(keys, draft_tokens, q, p):
   gamma = draft_tokens.shape[1]
   top = argmax(p).astype(jnp.int32)  # [B, γ+1]
   accepted = acceptance_prob(p[:, :gamma], q, draft_tokens) > 0
-  n_accepted = jnp.sum(jnp.cumprod(accepted.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+  n_accepted = accepted_prefix(accepted)
   next_token = jnp.take_along_axis(top, n_accepted[:, None], axis=1)[:, 0]
   at_top = lambda d: jnp.take_along_axis(d, top[:, :gamma, None], axis=-1)[..., 0]
   return n_accepted, next_token, jnp.minimum(at_top(p[:, :gamma]), at_top(q))
@@ -96,6 +106,8 @@ def verify_point_masses(keys, draft_tokens, q, p):
 
 def point_masses(ps: jax.Array) -> jax.Array:
   """Whether every distribution in ps [..., V] has one token of nonzero probability."""
+  if jax.default_backend() == "cpu" and kernels_in_use():
+    return jnp.all(cpu_kernels.top(ps)[1] == 1)  # one call, not three thunks
   return jnp.all(jnp.sum(ps > 0, axis=-1) == 1)
 
 

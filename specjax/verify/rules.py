@@ -33,14 +33,14 @@ import jax
 import jax.numpy as jnp
 
 from specjax.processors.sampling import sample
-from specjax.verify.exact import ExactRule
+from specjax.verify.exact import ExactRule, accepted_prefix
 
 RULES = ("exact", "typical", "threshold", "synthetic")
 
 
 def _stop_and_draw(key, accepted, q, p):
   """Shared tail of the lossy rules: prefix length, next token ~ p at the stop, overlap."""
-  n_accepted = jnp.sum(jnp.cumprod(accepted.astype(jnp.int32))).astype(jnp.int32)
+  n_accepted = accepted_prefix(accepted)
   next_token = sample(key, p[n_accepted])  # the first failure, or p_{γ+1} as the bonus
   overlap = jnp.sum(jnp.minimum(p[:q.shape[0]], q), axis=-1)
   return n_accepted, next_token, overlap
