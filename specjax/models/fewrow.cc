@@ -362,7 +362,13 @@ void AttendHead(const float* q, const float* kn, const float* vn, const float* k
     const float* keys[4];
     for (int i = 0; i < 4; ++i) keys[i] = key(std::min(j0 + i, width - 1));
     int64_t r = 0;
-    float s[2][4];
+    float s[4][4];
+    // Four queries per key load where AVX-512's registers hold their 16 sums.
+    for (; kRowGroup == 9 && r + 4 <= rows; r += 4) {
+      Dots4<4>(&qs[r], keys, D, s);
+      for (int q = 0; q < 4; ++q)
+        for (int i = 0; i < 4; ++i) w[r + q][j0 + i] = s[q][i] * scale;
+    }
     for (; r + 2 <= rows; r += 2) {
       Dots4<2>(&qs[r], keys, D, s);
       for (int i = 0; i < 4; ++i) w[r][j0 + i] = s[0][i] * scale, w[r + 1][j0 + i] = s[1][i] * scale;
