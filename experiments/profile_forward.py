@@ -72,7 +72,7 @@ _OFF = flags.DEFINE_enum("off", "kernels", ["kernels", "rowwise", "fused"], "Wha
                          "of before); rowwise = both, and row by row "
                          "(model.CPU_ROWWISE_MAX_ROWS = 0: XLA's own products with the rows "
                          "together); fused = only the fused layer calls (model."
-                         "CPU_FUSED_ATTENTION = False: a kernel per product and per "
+                         "CPU_FUSED_LAYERS = False: a kernel per product and per "
                          "attention, XLA's norms, RoPE, SwiGLU, residuals and KV writes).")
 _ROWWISE = flags.DEFINE_integer("rowwise_max_rows", None, "Override "
                                 "model.CPU_ROWWISE_MAX_ROWS for everything timed.")
@@ -86,16 +86,16 @@ _FLOOR = flags.DEFINE_integer("floor_tokens", 64, "Also time a pass of this many
 @contextlib.contextmanager
 def rowwise_max(rows: int, kernels: bool = True, fused: bool = True):
   """Traces inside the block use `model.CPU_ROWWISE_MAX_ROWS = rows`,
-  `cpu_kernels.ENABLED = kernels` and `model.CPU_FUSED_ATTENTION = fused` (timers lay out
+  `cpu_kernels.ENABLED = kernels` and `model.CPU_FUSED_LAYERS = fused` (timers lay out
   and compile here)."""
-  saved = model_lib.CPU_ROWWISE_MAX_ROWS, cpu_kernels.ENABLED, model_lib.CPU_FUSED_ATTENTION
+  saved = model_lib.CPU_ROWWISE_MAX_ROWS, cpu_kernels.ENABLED, model_lib.CPU_FUSED_LAYERS
   model_lib.CPU_ROWWISE_MAX_ROWS, cpu_kernels.ENABLED = rows, kernels
-  model_lib.CPU_FUSED_ATTENTION = fused
+  model_lib.CPU_FUSED_LAYERS = fused
   try:
     yield
   finally:
     (model_lib.CPU_ROWWISE_MAX_ROWS, cpu_kernels.ENABLED,
-     model_lib.CPU_FUSED_ATTENTION) = saved
+     model_lib.CPU_FUSED_LAYERS) = saved
 
 
 def switched(off: bool):

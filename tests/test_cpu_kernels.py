@@ -38,31 +38,39 @@ class KernelTest(parameterized.TestCase):
     got = jax.jit(cpu_kernels.panel_matmul)(x, cpu_kernels.pack(w))
     np.testing.assert_allclose(got, np.asarray(x) @ np.asarray(w), rtol=1e-5, atol=1e-5)
 
-  @parameterized.parameters(1, 5, 11)
-  def test_panel_matmul_does_the_ops_around_the_product(self, rows):
+  @parameterized.parameters((1, 37, 80), (5, 37, 80), (11, 37, 80), (9, 96, 288))
+  def test_panel_matmul_does_the_ops_around_the_product(self, rows, k, n):
     # RMSNorm (as nnx.RMSNorm), SwiGLU's silu(gate) * up with gates far on both sides of
-    # 0 (K = 37: a tail past the vectors), and a residual added to the product.
+    # 0 (K = 37: a tail past the vectors), and a residual added to the product; 9 x 96 x
+    # 288 is past PARALLEL_MIN_WORK (two threads, chunks of whole 4-panel passes).
     from flax import nnx
-    x, w, add = _rand(0, (rows, 37)), _rand(1, (37, 80)), _rand(2, (rows, 80))
-    norm = nnx.RMSNorm(37, epsilon=1e-5, rngs=nnx.Rngs(0))
-    norm.scale[...] = 1 + 0.1 * _rand(3, (37,))
+    x, w, add = _rand(0, (rows, k)), _rand(1, (k, n)), _rand(2, (rows, n))
+    norm = nnx.RMSNorm(k, epsilon=1e-5, rngs=nnx.Rngs(0))
+    norm.scale[...] = 1 + 0.1 * _rand(3, (k,))
     panels = cpu_kernels.pack(w)
     got = jax.jit(lambda x, s: cpu_kernels.panel_matmul(x, panels, s, 1e-5, add=add))(
         x, norm.scale[...])
     np.testing.assert_allclose(got, add + norm(x) @ w, rtol=2e-5, atol=2e-5)
-    gates = 30 * _rand(4, (rows, 37))
+    gates = 30 * _rand(4, (rows, k))
     got = jax.jit(lambda x: cpu_kernels.panel_matmul(x, panels, gated=True))(
         jnp.concatenate([gates, x], axis=1))
     np.testing.assert_allclose(got, (jax.nn.silu(gates) * x) @ w, rtol=2e-5, atol=2e-4)
 
-  def test_a_row_does_not_depend_on_the_others(self):
+  @parameterized.parameters((64, 96), (96, 1024))  # (96, 1024): past PARALLEL_MIN_WORK
+  def test_a_row_does_not_depend_on_the_others(self, k, n):
     # Greedy speculative output equals greedy decoding only if the verify pass gives each
-    # row the bits a 1-token step gives it: same kernel, same order of additions.
-    x, panels = _rand(4, (9, 64)), cpu_kernels.pack(_rand(5, (64, 96)))
-    together = jax.jit(cpu_kernels.panel_matmul)(x, panels)
-    alone = jnp.concatenate([jax.jit(cpu_kernels.panel_matmul)(x[i:i + 1], panels)
-                             for i in range(9)])
-    np.testing.assert_array_equal(together, alone)
+    # row the bits a 1-token step gives it: same kernel, same order of additions, with
+    # the norm, SwiGLU and residual too.
+    x, panels = _rand(4, (9, 2 * k)), cpu_kernels.pack(_rand(5, (k, n)))
+    scale, add = 1 + _rand(6, (k,)), _rand(7, (9, n))
+    calls = [lambda x, a: cpu_kernels.panel_matmul(x[:, :k], panels),
+             lambda x, a: cpu_kernels.panel_matmul(x[:, :k], panels, scale, 1e-6, add=a),
+             lambda x, a: cpu_kernels.panel_matmul(x, panels, gated=True, add=a)]
+    for call in calls:
+      fn = jax.jit(call)
+      together = fn(x, add)
+      alone = jnp.concatenate([fn(x[i:i + 1], add[i:i + 1]) for i in range(9)])
+      np.testing.assert_array_equal(together, alone)
 
   @parameterized.parameters((1, 4, 2, 8, 1.0), (5, 4, 4, 64, 1.0), (3, 6, 2, 32, 1.0),
                             (2, 2, 1, 128, 1.0), (4, 4, 2, 64, 30.0))
@@ -125,9 +133,10 @@ class KernelTest(parameterized.TestCase):
   @parameterized.parameters((1, 4, 2, 8), (5, 4, 4, 64), (3, 6, 2, 32), (4, 2, 1, 16))
   def test_rope_attention_is_rope_attend_and_write(self, t, h, kvh, d):
     # Row 1 ends past the cache (its last writes are dropped), row 2 is a prefill (length
-    # 0); stale NaN slots must never be read, and slots not written keep their bits.
-    b, s = 3, 16
-    length = jnp.array([4, 14, 0])
+    # 0), row 3 starts past the cache (nothing written); stale NaN slots must never be
+    # read, and slots not written keep their bits.
+    b, s = 4, 16
+    length = jnp.array([4, 14, 0, 19])
     qkv, (cos, sin), positions, freqs, k_buf, v_buf = self._rope_case(10, b, t, h, kvh, d,
                                                                      s, length)
     q, k, v = layers.split_fused(qkv, 1, (h * d, kvh * d, kvh * d))
@@ -235,6 +244,24 @@ class LayoutTest(parameterized.TestCase):
       outs.append(logits)
       start += size
     np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, rtol=2e-5, atol=2e-5)
+
+  def test_a_fused_pass_row_is_the_1_token_step(self):
+    # The Llama-shaped layers run fused (`Block._fused`): a 4-token cached pass gives
+    # each token the logits and KV of feeding the tokens one at a time, bit for bit.
+    model = tiny_model(**CONFIGS["llama_gqa"])
+    laid = model_lib.cpu_layout(model.params)
+    module = model_lib.merge(model.graphdef, laid)
+    self.assertTrue(module.blocks[0]._fused((jnp.zeros((1, 1, 1, 8)),), None, 4))
+    tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 9), 0, 16)
+    fn = jax.jit(model_lib.forward_cached, static_argnums=0)
+    kv = kv_cache.init_kv(model.config, 2, 16)
+    _, kv = fn(model.graphdef, laid, tokens[:, :5], kv)
+    together, kv_all = fn(model.graphdef, laid, tokens[:, 5:], kv)
+    for i in range(4):
+      alone, kv = fn(model.graphdef, laid, tokens[:, 5 + i:6 + i], kv)
+      np.testing.assert_array_equal(alone[:, 0], together[:, i])
+    chex.assert_trees_all_equal(kv.k, kv_all.k)
+    chex.assert_trees_all_equal(kv.v, kv_all.v)
 
   def test_a_call_reuses_the_last_layout(self):
     # `Prepared.run` lays the weights out once and keeps them for the next call with the

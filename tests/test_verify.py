@@ -169,5 +169,12 @@ class PointMassTest(chex.TestCase):
         want = exact.verify_batch(row_keys, ys, q, p)
         for g, w in zip(got, want):
           np.testing.assert_array_equal(g, w)
+    # γ = 0 (target-only decoding): nothing to accept, the next token is p's argmax.
+    empty_q = jnp.zeros((b, 0, vocab))
+    got = exact.verify_point_masses(row_keys, ys[:, :0], empty_q, p[:, :1])
+    np.testing.assert_array_equal(got[0], 0)
+    np.testing.assert_array_equal(got[1], jnp.argmax(p[:, 0], axis=-1))
+    for g, w in zip(got, exact.verify_batch(row_keys, ys[:, :0], empty_q, p[:, :1])):
+      np.testing.assert_array_equal(g, w)
     # One soft row anywhere and the batch is sampled.
     self.assertFalse(bool(exact.point_masses(p.at[2, 1].set(soft[0, 0]))))

@@ -93,10 +93,10 @@ class _Readout(nnx.Module):
       self.lm_head = model_lib._dense(rngs, cfg.d_model, cfg.vocab_size, False, 0.02)
 
   def readout(self, x):
-    """Features [..., d] -> float32 logits [..., V], exactly as the target computes them."""
-    x = self.final_norm(x)
-    logits = self.embed.attend(x) if self.tie else self.lm_head(x)
-    return logits.astype(jnp.float32)
+    """Features [..., d] -> float32 logits [..., V], as the target's chain passes compute
+    them (`model.head_logits`; fused where the target's layers run fused)."""
+    return model_lib.head_logits(x, self.embed, self.final_norm,
+                                 None if self.tie else self.lm_head, fused=True)
 
 
 class EagleHead(_Readout):

@@ -52,9 +52,13 @@ MODEL_AXIS = {
 CPU_ROWWISE_MAX_ROWS = 9
 
 
-# With weights laid out for specjax's CPU kernels, a layer's cached attention runs in one
-# kernel call from the qkv projection (`Attention._fused`). Read when a function is traced.
-CPU_FUSED_ATTENTION = True
+# With weights laid out for specjax's CPU kernels, a cached pass of up to
+# CPU_FUSED_MAX_TOKENS tokens runs each layer as five kernel calls (`Block._fused_call`)
+# and the final norm inside the LM head's product (`head_logits`). Read when traced.
+CPU_FUSED_LAYERS = True
+# Longer passes (long prefills) keep XLA's attention: the kernel's is O(T^2) on two
+# threads, and its per-thread scratch would grow with T^2.
+CPU_FUSED_MAX_TOKENS = 64
 
 
 # True while a decode on a device mesh is traced (`whole_rows`): there the batch is split
@@ -197,7 +201,7 @@ class Attention(nnx.Module):
     b, t, _ = x.shape
     h, kvh, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     g = cfg.qkv_groups
-    if self._fused(cache, mask):
+    if self._fused(cache, mask, t):
       # specjax's CPU kernel takes the projection as it comes and does RoPE, attention
       # and the KV write in one call, the caches updated in place.
       k_buf, v_buf, length = cache
@@ -226,12 +230,15 @@ class Attention(nnx.Module):
     return self.out(out), (k_buf, v_buf)
 
 
-  def _fused(self, cache, mask) -> bool:
+  def _fused(self, cache, mask, tokens: int) -> bool:
     """Whether `cpu_kernels.rope_attention` runs this layer's cached attention: weights
     laid out by `cpu_layout`, float32 caches, RoPE, one qkv group, no q/k norm, no tree
-    mask, head dims in multiples of 8. Prefill too (its length is 0, nothing is read)."""
+    mask, head dims in multiples of 8, at most CPU_FUSED_MAX_TOKENS new tokens. A short
+    prefill too: it reads the cache's first `length` slots, 0 there (`empty` promises
+    it), so ignoring read_cache=False reads nothing."""
     cfg = self.cfg
-    return (CPU_FUSED_ATTENTION and cache is not None and mask is None and self.qkv.kernel[...].ndim == 3
+    return (CPU_FUSED_LAYERS and cache is not None and mask is None
+            and tokens <= CPU_FUSED_MAX_TOKENS and self.qkv.kernel[...].ndim == 3
             and cache[0].dtype == jnp.float32 and cfg.position == "rope"
             and cfg.qkv_groups == 1 and not cfg.qk_norm and cfg.head_dim % 8 == 0)
 
@@ -265,17 +272,17 @@ class Block(nnx.Module):
     self.mlp = MLP(cfg, rngs)
 
   def __call__(self, x, positions, cache=None, read_cache=True, mask=None):
-    if self._fused(cache, mask):
+    if self._fused(cache, mask, x.shape[1]):
       return self._fused_call(x, positions, cache)
     attn_out, cache = self.attn(self.attn_norm(x), positions, cache, read_cache, mask)
     x = x + attn_out
     return x + self.mlp(self.mlp_norm(x)), cache
 
-  def _fused(self, cache, mask) -> bool:
+  def _fused(self, cache, mask, tokens: int) -> bool:
     """Whether the whole block runs as five calls of specjax's CPU kernels: where its
     attention does (`Attention._fused`), with RMSNorm, SwiGLU in one group and no biases."""
     cfg = self.attn.cfg
-    return (self.attn._fused(cache, mask) and cfg.norm == "rmsnorm" and cfg.mlp == "swiglu"
+    return (self.attn._fused(cache, mask, tokens) and cfg.norm == "rmsnorm" and cfg.mlp == "swiglu"
             and cfg.mlp_groups == 1 and not (cfg.qkv_bias or cfg.out_bias or cfg.mlp_bias)
             and all(m.kernel[...].ndim == 3 for m in (self.attn.out, self.mlp.up, self.mlp.down)))
 
@@ -328,6 +335,10 @@ class Transformer(nnx.Module):
       # Positions past max_len only occur for draft tokens that can never be committed.
       x = x + jnp.take(self.pos_embed.embedding[...], positions, axis=0, mode="clip")
     ks, vs = [], []
+    # The head follows the blocks: a pass whose layers run XLA's norms (a tree's) gets
+    # XLA's final norm too.
+    fused = kv is not None and self.blocks[0]._fused((kv.k[0], kv.v[0], kv.length), mask,
+                                                     tokens.shape[1])
     for i, block in enumerate(self.blocks):
       cache = None if kv is None else (kv.k[i], kv.v[i], kv.length)
       x, new_cache = block(x, positions, cache, read_cache, mask)
@@ -335,20 +346,26 @@ class Transformer(nnx.Module):
         ks.append(new_cache[0])
         vs.append(new_cache[1])
     features = x
-    head = self.embed.embedding if self.cfg.tie_embeddings else self.lm_head.kernel
-    if (head[...].ndim == 3 and self.cfg.norm == "rmsnorm" and CPU_FUSED_ATTENTION
-        and (self.cfg.tie_embeddings or self.lm_head.bias is None)):
-      # Laid out by `cpu_layout`: the final norm is done by the head's product.
-      b, t, d = x.shape
-      logits = cpu_kernels.panel_matmul(x.reshape(b * t, d), head[...],
-                                        self.final_norm.scale[...], self.cfg.norm_eps)
-      logits = logits.reshape(b, t, -1)
-    elif self.cfg.tie_embeddings:
-      logits = self.embed.attend(self.final_norm(x))
-    else:
-      logits = self.lm_head(self.final_norm(x))
-    out = logits.astype(jnp.float32), (tuple(ks), tuple(vs))
+    logits = head_logits(x, self.embed, self.final_norm, getattr(self, "lm_head", None),
+                         fused)
+    out = logits, (tuple(ks), tuple(vs))
     return out + (features,) if hidden else out
+
+
+def head_logits(x, embed: Embed, final_norm, lm_head: Dense | None, fused: bool):
+  """The final norm and the LM head (tied to `embed` when lm_head is None): features
+  [..., d] -> float32 logits [..., V]. fused (a pass whose layers ran fused, see
+  `Block._fused`): over a head laid out by `cpu_layout`, an RMSNorm is done by the
+  head's product."""
+  head = embed.embedding if lm_head is None else lm_head.kernel
+  if (fused and CPU_FUSED_LAYERS and head[...].ndim == 3
+      and isinstance(final_norm, nnx.RMSNorm) and (lm_head is None or lm_head.bias is None)):
+    flat = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    logits = cpu_kernels.panel_matmul(flat, head[...], final_norm.scale[...],
+                                      final_norm.epsilon)
+    return logits.reshape(x.shape[:-1] + logits.shape[-1:])
+  x = final_norm(x)
+  return (embed.attend(x) if lm_head is None else lm_head(x)).astype(jnp.float32)
 
 
 # ----------------------------------------------------------------------------
