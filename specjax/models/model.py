@@ -229,7 +229,6 @@ class Attention(nnx.Module):
     v_buf = kv_cache.write(v_buf, v + zero, length)
     return self.out(out), (k_buf, v_buf)
 
-
   def _fused(self, cache, mask, tokens: int) -> bool:
     """Whether `cpu_kernels.rope_attention` runs this layer's cached attention: weights
     laid out by `cpu_layout`, float32 caches, RoPE, one qkv group, no q/k norm, no tree

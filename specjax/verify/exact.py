@@ -50,8 +50,7 @@ def residual(p: jax.Array, q: jax.Array) -> jax.Array:
   return jnp.where(mass > 0, r / jnp.where(mass > 0, mass, 1.0), p)
 
 
-def verify(key: jax.Array, draft_tokens: jax.Array, q: jax.Array, p: jax.Array,
-           draw=sample):
+def verify(key: jax.Array, draft_tokens: jax.Array, q: jax.Array, p: jax.Array):
   """Speculative sampling for one sequence.
 
   Args:
@@ -59,8 +58,6 @@ def verify(key: jax.Array, draft_tokens: jax.Array, q: jax.Array, p: jax.Array,
     draft_tokens: int[γ] proposed tokens y_1..y_γ.
     q: [γ, V] the distributions the draft tokens were drawn from.
     p: [γ+1, V] the target's distributions at the same positions, plus one.
-    draw: (key, distribution) -> token; `sample`, or `argmax` where every p is a point
-      mass (then the residual is one too, and both give the same token).
 
   Returns:
     n_accepted: int32 in [0, γ], the accepted prefix length.
@@ -75,7 +72,7 @@ def verify(key: jax.Array, draft_tokens: jax.Array, q: jax.Array, p: jax.Array,
   # Row γ of the padded q is zero, so the "residual" there is p_{γ+1}: the bonus.
   q_pad = jnp.concatenate([q, jnp.zeros((1, vocab), q.dtype)], axis=0)
   next_dist = residual(p[n_accepted], q_pad[n_accepted])
-  next_token = draw(key_next, next_dist)
+  next_token = sample(key_next, next_dist)
   overlap = jnp.sum(jnp.minimum(p[:gamma], q), axis=-1)
   return n_accepted, next_token, overlap
 
@@ -106,7 +103,7 @@ def verify_point_masses(keys, draft_tokens, q, p):
 
 def point_masses(ps: jax.Array) -> jax.Array:
   """Whether every distribution in ps [..., V] has one token of nonzero probability."""
-  if jax.default_backend() == "cpu" and kernels_in_use():
+  if kernels_in_use():
     return jnp.all(cpu_kernels.top(ps)[1] == 1)  # one call, not three thunks
   return jnp.all(jnp.sum(ps > 0, axis=-1) == 1)
 
