@@ -43,7 +43,8 @@ SOURCE = pathlib.Path(__file__).with_name("fewrow.cc")
 _TARGETS = {"specjax_panel_matmul": "SpecjaxPanelMatmul",
             "specjax_cached_attention": "SpecjaxCachedAttention",
             "specjax_rope_attention": "SpecjaxRopeAttention",
-            "specjax_top": "SpecjaxTop"}
+            "specjax_top": "SpecjaxTop",
+            "specjax_panel_lookup": "SpecjaxPanelLookup"}
 
 
 def _cpu_id() -> str:
@@ -154,24 +155,37 @@ def _require():
 PARALLEL_MIN_WORK = 1 << 16
 
 
+def _live(live) -> jax.Array:
+  """A traced count of rows in use as the kernels' int32 [1] operand ([0]: all)."""
+  if live is None:
+    return jnp.zeros((0,), jnp.int32)
+  return jnp.reshape(jnp.asarray(live, jnp.int32), (1,))
+
+
 def panel_matmul(x: jax.Array, panels: jax.Array, norm_scale=None, eps: float = 0.0,
-                 gated: bool = False, add=None) -> jax.Array:
+                 gated: bool = False, add=None, live=None, period: int = 0) -> jax.Array:
   """x [R, K] float32 · W for W = unpack(panels) [K, N] -> [R, N], with the small ops
   around a product done on its rows in the same call:
 
   gated: x is [gate | up] [R, 2K] and the product is of silu(gate) · up (SwiGLU).
   norm_scale [K]: of RMSNorm(x) with that scale and eps (as `nnx.RMSNorm`).
   add [R, N]: add + the product (a residual stream).
+  live (a traced int) and period: of each `period` rows only the first `live` are
+  computed (each exactly as with every row), the others are zeros.
   """
   _require()
   n, k = panels.shape[0] * panels.shape[2], panels.shape[1]
   parallel = x.shape[0] * k * n >= PARALLEL_MIN_WORK
   scale = jnp.zeros((0,), jnp.float32) if norm_scale is None else norm_scale.astype(jnp.float32)
   add = jnp.zeros((0, 0), jnp.float32) if add is None else add.astype(jnp.float32)
+  if live is not None and (period <= 0 or x.shape[0] % period):
+    raise ValueError(f"panel_matmul: live rows need a period dividing {x.shape[0]} rows, "
+                     f"got {period}")
   return jax.ffi.ffi_call("specjax_panel_matmul",
                           jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(
-                              x, panels, scale, add, parallel=parallel,
-                              eps=np.float32(eps), gated=gated)
+                              x, panels, scale, add, _live(live), parallel=parallel,
+                              eps=np.float32(eps), gated=gated,
+                              period=np.int64(period if live is not None else 0))
 
 
 def cached_attention(q, k, v, k_buf, v_buf, length) -> jax.Array:
@@ -184,20 +198,31 @@ def cached_attention(q, k, v, k_buf, v_buf, length) -> jax.Array:
                               q, k, v, k_buf, v_buf, length.astype(jnp.int32))
 
 
-def rope_attention(qkv, cos, sin, k_buf, v_buf, length, n_heads: int):
+def rope_attention(qkv, cos, sin, k_buf, v_buf, length, n_heads: int, live=None):
   """A layer's attention from its fused qkv projection [B, T, (H + 2 KVH) D] (one group,
   `split_fused`'s G = 1): RoPE of the new q and k by cos, sin [B, T, D / 2]
   (`layers.rope_angles`), attention as `cached_attention`, and the new k, v written at
   slots length[b] + t of k_buf, v_buf [B, KVH, S, D] in place (dropped past S).
   Returns (out [B, T, H D], k_buf, v_buf): the buffers are the inputs' own (aliased), so
-  XLA copies a cache only where the old one is still needed elsewhere."""
+  XLA copies a cache only where the old one is still needed elsewhere. live (a traced
+  int): only each row's first `live` tokens are attended and written (out: zeros past)."""
   _require()
   b, t, _ = qkv.shape
   out = jax.ShapeDtypeStruct((b, t, n_heads * k_buf.shape[3]), jnp.float32)
   bufs = [jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (k_buf, v_buf)]
   return jax.ffi.ffi_call("specjax_rope_attention", (out, *bufs),
                           input_output_aliases={3: 1, 4: 2})(
-                              qkv, cos, sin, k_buf, v_buf, length.astype(jnp.int32))
+                              qkv, cos, sin, k_buf, v_buf, length.astype(jnp.int32),
+                              _live(live))
+
+
+def panel_lookup(panels: jax.Array, tokens: jax.Array) -> jax.Array:
+  """Rows of the table [V, d] laid out as panels [V / 16, d, 16] (`pack` of its
+  transpose, a tied LM head): tokens int [...] -> float32 [..., d], indices clipped."""
+  _require()
+  return jax.ffi.ffi_call("specjax_panel_lookup",
+                          jax.ShapeDtypeStruct(tokens.shape + panels.shape[1:2], jnp.float32),
+                          vmap_method="sequential")(tokens.astype(jnp.int32), panels)
 
 
 def top(x: jax.Array):

@@ -12,6 +12,8 @@
 //     SwiGLU before a product and the residual add after it.
 //   SpecjaxCachedAttention: attention of a few new queries over the valid cache slots.
 //   SpecjaxRopeAttention: a layer's RoPE, attention and KV write in one call.
+//   SpecjaxTop: argmax and support size of each row (the T = 0 verify rule).
+//   SpecjaxPanelLookup: embedding rows from the tied LM head's panels.
 //
 // The columns are split in chunks between the calling thread and one XLA pool thread.
 // Each row's additions run in the same order whatever the number of rows, so a row of a
@@ -230,25 +232,41 @@ inline void Swiglu(const float* gate, const float* up, float* o, int64_t K) {
   for (; k < K; ++k) o[k] = gate[k] / (1.0f + std::exp(-gate[k])) * up[k];
 }
 
+// How many of each `period` rows are in use: live [1] (a traced count, clipped to
+// [0, period]) or all of them (live [0]). A verify pass is as wide as the round's
+// longest possible draft; its rows past the longest actual one are not computed.
+using Live = ffi::Buffer<ffi::S32, 1>;
+
+inline int64_t InUse(const Live& live, int64_t period) {
+  if (live.dimensions()[0] == 0) return period;
+  return std::min<int64_t>(std::max<int32_t>(live.typed_data()[0], 0), period);
+}
+
 // y = in(x) · W (+ add), W in panels. in(x) is x; with `gated`, x = [gate | up] and
 // in(x) = silu(gate) · up (SwiGLU's hidden units); with a scale [K], RMSNorm of that
 // (eps): the small ops around a product, done on its rows in the same pass instead of
-// in XLA thunks of their own. add [R, N] (or [0, 0]) is the residual stream.
-ffi::Error PanelMatmul(ffi::ThreadPool pool, Rows x, Panels3 wp, Vec scale, Rows add, Out y,
-                       bool parallel, float eps, bool gated) {
+// in XLA thunks of their own. add [R, N] (or [0, 0]) is the residual stream. Of each
+// `period` rows (0: all R) only the first `live` are computed; the others are zeros.
+ffi::Error PanelMatmul(ffi::ThreadPool pool, Rows x, Panels3 wp, Vec scale, Rows add,
+                       Live live, Out y, bool parallel, float eps, bool gated,
+                       int64_t period) {
   const auto xd = x.dimensions(), wd = wp.dimensions();
   const int64_t rows = xd[0], K = wd[1], N = wd[0] * kPanel;
   const bool norm = scale.dimensions()[0] > 0, residual = add.dimensions()[0] > 0;
+  const int64_t per = period > 0 ? period : rows;
   if (wd[2] != kPanel || xd[1] != (gated ? 2 * K : K) || y->dimensions()[1] != N ||
-      (norm && scale.dimensions()[0] != K) ||
+      (norm && scale.dimensions()[0] != K) || (per > 0 && rows % per) ||
+      live.dimensions()[0] > 1 ||
       (residual && (add.dimensions()[0] != rows || add.dimensions()[1] != N)))
     return ffi::Error::InvalidArgument("SpecjaxPanelMatmul: shapes do not match");
+  const int64_t used = per > 0 ? InUse(live, per) : 0, groups = per > 0 ? rows / per : 0;
   const float* xp = x.typed_data();
   float* staged = nullptr;
   if (norm || gated) {
     staged = Scratch<float, 0>(rows * K);
     const float* g = scale.typed_data();
     for (int64_t r = 0; r < rows; ++r) {
+      if (r % per >= used) continue;
       const float* in = xp + r * xd[1];
       float* o = staged + r * K;
       if (gated)
@@ -269,11 +287,21 @@ ffi::Error PanelMatmul(ffi::ThreadPool pool, Rows x, Panels3 wp, Vec scale, Rows
   }
   float* yp = y->typed_data();
   const float* ap = residual ? add.typed_data() : nullptr;
+  for (int64_t g = 0; g < groups; ++g)  // the rows not in use
+    std::memset(yp + (g * per + used) * N, 0, (per - used) * N * sizeof(float));
   // The columns in up to 8 chunks of whole passes (4 panels), or in one on one thread.
   const int64_t chunk = parallel ? ((wd[0] + 7) / 8 + 3) / 4 * 4 * kPanel : N;
   const float* w = wp.typed_data();
+  if (used == 0) return ffi::Error::Success();
   ForEach(pool, (N + chunk - 1) / chunk, [=](int64_t c) {
-    ByRowGroups(xp, w, yp, ap, rows, K, N, c * chunk, std::min(N, (c + 1) * chunk));
+    const int64_t n0 = c * chunk, n1 = std::min(N, (c + 1) * chunk);
+    if (used == per) {  // every row: row groups run across the periods
+      ByRowGroups(xp, w, yp, ap, rows, K, N, n0, n1);
+      return;
+    }
+    for (int64_t g = 0; g < groups; ++g)
+      ByRowGroups(xp + g * per * K, w, yp + g * per * N, ap ? ap + g * per * N : nullptr,
+                  used, K, N, n0, n1);
   }, parallel);
   return ffi::Error::Success();
 }
@@ -459,22 +487,28 @@ using Fused = ffi::Buffer<ffi::F32, 3>;
 // written to slots length[b] + t of the caches, which are the outputs' buffers
 // (aliased): no rotated copies, scatters or cache copies around the call. A slot past
 // the end is dropped (as kv_cache.write drops it). Each unit (row, KV head) reads and
-// writes only its own head's slots.
+// writes only its own head's slots. Only each row's first `live` tokens are attended
+// and written (the rest of out: zeros).
 ffi::Error RopeAttention(ffi::ThreadPool pool, Fused qkv, Fused cos, Fused sin, Heads kb,
-                         Heads vb, Lengths length, ffi::ResultBuffer<ffi::F32, 3> out,
+                         Heads vb, Lengths length, Live live,
+                         ffi::ResultBuffer<ffi::F32, 3> out,
                          ffi::ResultBuffer<ffi::F32, 4> kout,
                          ffi::ResultBuffer<ffi::F32, 4> vout) {
   const auto xd = qkv.dimensions(), bd = kb.dimensions(), od = out->dimensions();
-  const int64_t B = xd[0], T = xd[1], KVH = bd[1], S = bd[2], D = bd[3];
+  const int64_t B = xd[0], KVH = bd[1], S = bd[2], D = bd[3];
   const int64_t H = D ? od[2] / D : 0, half = D / 2, W = xd[2];
   if (D % 8 || H % KVH || H == 0 || W != (H + 2 * KVH) * D || bd[0] != B ||
-      cos.dimensions()[2] != half || length.dimensions()[0] != B)
+      cos.dimensions()[2] != half || length.dimensions()[0] != B ||
+      live.dimensions()[0] > 1)
     return ffi::Error::InvalidArgument("SpecjaxRopeAttention: shapes do not match");
+  const int64_t period = xd[1], T = InUse(live, period);
   const float *xp = qkv.typed_data(), *cp = cos.typed_data(), *sp = sin.typed_data();
   const float *kin = kb.typed_data(), *vin = vb.typed_data();
   float *kp = kout->typed_data(), *vp = vout->typed_data(), *op = out->typed_data();
   const int32_t* lens = length.typed_data();
   const int64_t G = H / KVH;
+  for (int64_t b = 0; b < B; ++b)  // the tokens not in use
+    std::memset(op + (b * period + T) * H * D, 0, (period - T) * H * D * sizeof(float));
   ForEach(pool, B * KVH, [=](int64_t unit) {
     const int64_t b = unit / KVH, kh = unit % KVH;
     const int64_t start = std::max<int32_t>(lens[b], 0), len = std::min(start, S);
@@ -485,8 +519,8 @@ ffi::Error RopeAttention(ffi::ThreadPool pool, Fused qkv, Fused cos, Fused sin, 
     float *q = Scratch<float, 2>(T * H * D), *k = Scratch<float, 3>(T * KVH * D);
     float* v = Scratch<float, 4>(T * KVH * D);
     for (int64_t t = 0; t < T; ++t) {
-      const float* row = xp + (b * T + t) * W;
-      const float *c = cp + (b * T + t) * half, *s = sp + (b * T + t) * half;
+      const float* row = xp + (b * period + t) * W;
+      const float *c = cp + (b * period + t) * half, *s = sp + (b * period + t) * half;
       for (int64_t g = 0; g < G; ++g) {
         const int64_t head = kh * G + g;
         Rope(row + head * D, c, s, q + (t * H + head) * D, half);
@@ -495,7 +529,7 @@ ffi::Error RopeAttention(ffi::ThreadPool pool, Fused qkv, Fused cos, Fused sin, 
       std::memcpy(v + (t * KVH + kh) * D, row + (H + KVH + kh) * D, D * sizeof(float));
     }
     float* scores = Scratch<float, 1>(T * G * (RoundUp8(len + T) + 8));
-    AttendHead(q, k, v, kp + slots, vp + slots, op + b * T * H * D,
+    AttendHead(q, k, v, kp + slots, vp + slots, op + b * period * H * D,
                len, T, H, KVH, D, kh, scores);
     for (int64_t t = 0; t < T && start + t < S; ++t) {
       const int64_t at = slots + (start + t) * D, from = (t * KVH + kh) * D;
@@ -546,8 +580,33 @@ ffi::Error Top(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> index,
   return ffi::Error::Success();
 }
 
+// Rows of an embedding table laid out as the tied LM head's panels [V / 16, d, 16]:
+// out[r] = column tokens[r] (clipped to [0, V)). XLA's gather of a few such strided
+// columns took ~3 us a token (17 us for a 5-token pass, 0.13 ms for a 64-token prefill).
+ffi::Error PanelLookup(ffi::Buffer<ffi::S32> tokens, Panels3 wp,
+                       ffi::ResultBuffer<ffi::F32> out) {
+  const auto wd = wp.dimensions();
+  const int64_t V = wd[0] * kPanel, K = wd[1], R = tokens.element_count();
+  if (wd[2] != kPanel || out->element_count() != R * K || V == 0)
+    return ffi::Error::InvalidArgument("SpecjaxPanelLookup: shapes do not match");
+  const int32_t* tp = tokens.typed_data();
+  const float* w = wp.typed_data();
+  float* op = out->typed_data();
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t t = std::min<int64_t>(std::max<int32_t>(tp[r], 0), V - 1);
+    const float* column = w + (t / kPanel) * K * kPanel + t % kPanel;
+    for (int64_t k = 0; k < K; ++k) op[r * K + k] = column[k * kPanel];
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxPanelLookup, PanelLookup,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<Panels3>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxPanelMatmul, PanelMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -555,10 +614,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxPanelMatmul, PanelMatmul,
                                   .Arg<Panels3>()
                                   .Arg<Vec>()
                                   .Arg<Rows>()
+                                  .Arg<Live>()
                                   .Ret<Rows>()
                                   .Attr<bool>("parallel")
                                   .Attr<float>("eps")
-                                  .Attr<bool>("gated"));
+                                  .Attr<bool>("gated")
+                                  .Attr<int64_t>("period"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxCachedAttention, CachedAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -578,6 +639,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxRopeAttention, RopeAttention,
                                   .Arg<Heads>()
                                   .Arg<Heads>()
                                   .Arg<Lengths>()
+                                  .Arg<Live>()
                                   .Ret<Fused>()
                                   .Ret<Heads>()
                                   .Ret<Heads>());

@@ -120,7 +120,7 @@ class Embed(nnx.Embed):
   def __call__(self, tokens):
     table = self.embedding[...]
     if table.ndim == 3:  # panels [V / 16, d, 16]: token t is column t % 16 of panel t // 16
-      return table[tokens // cpu_kernels.PANEL, :, tokens % cpu_kernels.PANEL]
+      return cpu_kernels.panel_lookup(table, tokens)
     return super().__call__(tokens)
 
   def attend(self, x):
@@ -270,9 +270,9 @@ class Block(nnx.Module):
     self.mlp_norm = _norm(cfg, rngs)
     self.mlp = MLP(cfg, rngs)
 
-  def __call__(self, x, positions, cache=None, read_cache=True, mask=None):
+  def __call__(self, x, positions, cache=None, read_cache=True, mask=None, live=None):
     if self._fused(cache, mask, x.shape[1]):
-      return self._fused_call(x, positions, cache)
+      return self._fused_call(x, positions, cache, live)
     attn_out, cache = self.attn(self.attn_norm(x), positions, cache, read_cache, mask)
     x = x + attn_out
     return x + self.mlp(self.mlp_norm(x)), cache
@@ -285,23 +285,27 @@ class Block(nnx.Module):
             and cfg.mlp_groups == 1 and not (cfg.qkv_bias or cfg.out_bias or cfg.mlp_bias)
             and all(m.kernel[...].ndim == 3 for m in (self.attn.out, self.mlp.up, self.mlp.down)))
 
-  def _fused_call(self, x, positions, cache):
+  def _fused_call(self, x, positions, cache, live=None):
     # Each norm, the SwiGLU product and each residual add is done by the product next to
     # it, on its rows: a few-token pass of a small model otherwise spends as long in
-    # those small XLA ops as in its matrix products.
+    # those small XLA ops as in its matrix products. live: each row's first `live`
+    # tokens are computed (and their KV written), the rest are zeros.
     cfg, attn, mlp = self.attn.cfg, self.attn, self.mlp
     b, t, d = x.shape
+    rows = dict(live=live, period=t)
     flat = x.reshape(b * t, d)
     qkv = cpu_kernels.panel_matmul(flat, attn.qkv.kernel[...], self.attn_norm.scale[...],
-                                   cfg.norm_eps)
+                                   cfg.norm_eps, **rows)
     k_buf, v_buf, length = cache
     cos, sin = rope_angles(positions, rope_frequencies(cfg))
     out, k_buf, v_buf = cpu_kernels.rope_attention(qkv.reshape(b, t, -1), cos, sin, k_buf,
-                                                   v_buf, length, cfg.n_heads)
-    flat = cpu_kernels.panel_matmul(out.reshape(b * t, -1), attn.out.kernel[...], add=flat)
+                                                   v_buf, length, cfg.n_heads, live)
+    flat = cpu_kernels.panel_matmul(out.reshape(b * t, -1), attn.out.kernel[...], add=flat,
+                                    **rows)
     hidden = cpu_kernels.panel_matmul(flat, mlp.up.kernel[...], self.mlp_norm.scale[...],
-                                      cfg.norm_eps)
-    flat = cpu_kernels.panel_matmul(hidden, mlp.down.kernel[...], gated=True, add=flat)
+                                      cfg.norm_eps, **rows)
+    flat = cpu_kernels.panel_matmul(hidden, mlp.down.kernel[...], gated=True, add=flat,
+                                    **rows)
     return flat.reshape(b, t, d), (k_buf, v_buf)
 
 
@@ -323,11 +327,13 @@ class Transformer(nnx.Module):
       self.lm_head = _dense(rngs, cfg.d_model, cfg.vocab_size, False, 0.02)
 
   def __call__(self, tokens, positions, kv: kv_cache.KVState | None = None,
-               read_cache: bool = True, hidden: bool = False, mask=None):
+               read_cache: bool = True, hidden: bool = False, mask=None, live=None):
     """tokens, positions: int[B, T] -> (logits float32[B, T, V], new k/v per layer).
 
     hidden=True adds a third output: the residual stream after the last block, before
     the final norm, [B, T, d_model] (the features that EAGLE / Medusa heads read).
+    live (a traced int): only each row's first `live` tokens need be computed; where the
+    layers run fused (`Block._fused`) the rest are not, and their outputs are zeros.
     """
     x = self.embed(tokens)
     if self.cfg.position == "learned":
@@ -340,28 +346,30 @@ class Transformer(nnx.Module):
                                                      tokens.shape[1])
     for i, block in enumerate(self.blocks):
       cache = None if kv is None else (kv.k[i], kv.v[i], kv.length)
-      x, new_cache = block(x, positions, cache, read_cache, mask)
+      x, new_cache = block(x, positions, cache, read_cache, mask, live)
       if new_cache is not None:
         ks.append(new_cache[0])
         vs.append(new_cache[1])
     features = x
     logits = head_logits(x, self.embed, self.final_norm, getattr(self, "lm_head", None),
-                         fused)
+                         fused, live)
     out = logits, (tuple(ks), tuple(vs))
     return out + (features,) if hidden else out
 
 
-def head_logits(x, embed: Embed, final_norm, lm_head: Dense | None, fused: bool):
+def head_logits(x, embed: Embed, final_norm, lm_head: Dense | None, fused: bool,
+                live=None):
   """The final norm and the LM head (tied to `embed` when lm_head is None): features
   [..., d] -> float32 logits [..., V]. fused (a pass whose layers ran fused, see
   `Block._fused`): over a head laid out by `cpu_layout`, an RMSNorm is done by the
-  head's product."""
+  head's product, on the first `live` positions of x [B, T, d] (None: all)."""
   head = embed.embedding if lm_head is None else lm_head.kernel
   if (fused and CPU_FUSED_LAYERS and head[...].ndim == 3
       and isinstance(final_norm, nnx.RMSNorm) and (lm_head is None or lm_head.bias is None)):
     flat = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    rows = {} if live is None else dict(live=live, period=x.shape[-2])
     logits = cpu_kernels.panel_matmul(flat, head[...], final_norm.scale[...],
-                                      final_norm.epsilon)
+                                      final_norm.epsilon, **rows)
     return logits.reshape(x.shape[:-1] + logits.shape[-1:])
   x = final_norm(x)
   return (embed.attend(x) if lm_head is None else lm_head(x)).astype(jnp.float32)
@@ -404,20 +412,24 @@ def forward(graphdef, params: Params, tokens: jax.Array, hidden: bool = False):
 
 
 def forward_cached(graphdef, params: Params, tokens: jax.Array, kv: kv_cache.KVState,
-                   empty: bool = False, hidden: bool = False, positions=None, mask=None):
+                   empty: bool = False, hidden: bool = False, positions=None, mask=None,
+                   live=None):
   """Feeds tokens int[B, T] at each row's own `kv.length`; returns (logits, kv + T).
 
   empty=True promises every row's length is 0 (a prefill), so the cache is not read.
   hidden=True returns (logits, kv + T, features [B, T, d_model]).
   Token trees pass their own `positions` int[B, T] (length - 1 + depth) and `mask`
   (see `attend`); the T tokens are still written at slots length..length+T-1.
+  live (a traced int in [1, T]): the caller reads only each row's first `live` outputs
+  and keeps only their KV; the CPU kernels then skip the rest (`Transformer.__call__`),
+  elsewhere every token is computed.
   """
   module = merge(graphdef, params)
   t = tokens.shape[1]
   if positions is None:
     positions = kv.length[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
   logits, (ks, vs), *features = module(tokens, positions, kv, read_cache=not empty,
-                                       hidden=hidden, mask=mask)
+                                       hidden=hidden, mask=mask, live=live)
   kv = kv_cache.KVState(k=ks, v=vs, length=kv.length + t)
   return (logits, kv, features[0]) if hidden else (logits, kv)
 
