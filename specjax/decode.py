@@ -73,6 +73,7 @@ class Stats:
   accepted_at: jax.Array  # int32[B, γ] times position i was accepted
   verified_at: jax.Array  # int32[B, γ] times position i was drafted and checked
   committed_hist: jax.Array  # int32[B, γ+2] histogram of tokens committed per round
+  length_hist: jax.Array  # int32[B, γ+1] rounds by the row's draft length (0..γ)
   overlap_sum: jax.Array  # float32[B] Σ over verified positions of Σ_x min(p, q)
   overlap_count: jax.Array  # int32[B] verified positions
   # Per sibling rank r (a chain is a tree with one child per node: K = 1): times a child
@@ -86,6 +87,7 @@ class Stats:
     zi = lambda *s: jnp.zeros((batch,) + s, jnp.int32)
     return cls(rounds=zi(), drafted=zi(), accepted=zi(), committed=zi(),
                accepted_at=zi(gamma), verified_at=zi(gamma), committed_hist=zi(gamma + 2),
+               length_hist=zi(gamma + 1),
                overlap_sum=jnp.zeros((batch,), jnp.float32), overlap_count=zi(),
                sibling_tried=zi(siblings), sibling_accepted=zi(siblings),
                sibling_chance=jnp.zeros((batch, siblings), jnp.float32))
@@ -178,6 +180,8 @@ def update_stats(s: Stats, live, n_accepted, count, overlap, lengths=None,
       verified_at=s.verified_at + (pos < verified[:, None]) * li[:, None],
       committed_hist=s.committed_hist
       + jax.nn.one_hot(count, gamma + 2, dtype=jnp.int32) * li[:, None],
+      length_hist=s.length_hist + jax.nn.one_hot(lengths, gamma + 1, dtype=jnp.int32)
+      * li[:, None],
       overlap_sum=s.overlap_sum + li * jnp.sum(seen, axis=1),
       overlap_count=s.overlap_count + verified * li,
       sibling_tried=s.sibling_tried + tried * li[:, None],
@@ -198,6 +202,35 @@ def _target_pass(engine: Engine, params, tokens, kv, empty=False, **layout):
                                     **layout)
   logits, kv = model_lib.forward_cached(graphdef, params, tokens, kv, empty=empty, **layout)
   return logits, kv, None
+
+
+# On a CPU the verify pass computes only the tokens of the round's longest draft
+# (`_verify_pass`); False: always all γ + 1 (for measurement).
+CPU_NARROW_PASS = True
+
+
+def _verify_pass(engine: Engine, params, tokens, kv, lengths, done):
+  """The chain's verify pass over tokens [B, γ+1]: logits [B, γ+1, V], kv, features.
+
+  With draft lengths (int32[B]), only each row's first max(lengths) + 1 tokens are
+  computed where the CPU kernels run the layers (`model.forward_cached`'s `live`): a
+  CPU's pass costs about its arithmetic, so a round whose rows all drafted less (an
+  adaptive policy, an n-gram row without a match, finished rows) costs less. The rule
+  reads no position past a row's length (`policies.cut`); the logits and features
+  past the longest repeat its last position (a point mass stays one).
+  """
+  narrow = (CPU_NARROW_PASS and lengths is not None and engine.mesh is None
+            and cpu_kernels.available())
+  if not narrow:
+    return _target_pass(engine, params, tokens, kv)
+  live = jnp.max(jnp.where(done, 0, lengths)) + 1
+  logits, kv, features = _target_pass(engine, params, tokens, kv, live=live)
+  keep = (jnp.arange(tokens.shape[1]) < live)[None, :, None]
+
+  def pad(x):
+    return None if x is None else jnp.where(keep, x, jax.lax.dynamic_slice_in_dim(
+        x, live - 1, 1, axis=1))
+  return pad(logits), kv, pad(features)
 
 
 def _per_prefix(sampling: Sampling, history, tokens):
@@ -229,10 +262,14 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
       drafter, weights.draft, state, draft_key, sampling.replace(history=state.history))
   # 2. Verify pass: the pending token and the γ drafts (or every tree node), one call.
   pending = jnp.take_along_axis(state.tokens, (state.n - 1)[:, None], axis=1)
-  layout = {} if tree is None else trees.verify_layout(tree, state.n)
-  logits, target_kv, features = _target_pass(
-      engine, weights.target, jnp.concatenate([pending, ys], axis=1), state.target_kv,
-      **layout)
+  candidates = jnp.concatenate([pending, ys], axis=1)
+  if tree is None:  # as wide as the longest draft, where widths are bucketed
+    logits, target_kv, features = _verify_pass(engine, weights.target, candidates,
+                                               state.target_kv, lengths, state.done)
+  else:
+    logits, target_kv, features = _target_pass(engine, weights.target, candidates,
+                                               state.target_kv,
+                                               **trees.verify_layout(tree, state.n))
   # Position i is processed with the history of the committed prefix + y_1..y_{i-1};
   # a tree node with the committed prefix + the tokens on its root-to-node path.
   prefixes = (_per_prefix(sampling, state.history, ys) if tree is None

@@ -181,6 +181,7 @@ def make_policy(kind, confidence, draft_cost, drafter) -> policies.GammaPolicy:
 
 COUNTERS = ("rows", "rounds", "target_calls", "drafted", "accepted", "committed",
             "overlap_sum", "overlap_count", "accepted_at", "verified_at", "committed_hist",
+            "length_hist",
             "draft_steps", "sibling_tried", "sibling_accepted", "sibling_chance")
 
 
@@ -223,7 +224,10 @@ def summarize_stats(state: decode_lib.DecodeState, gamma: int) -> dict[str, Any]
                 # Draft steps run (an adaptive loop may stop early); fixed: γ per round.
                 draft_steps=int(state.draft_steps) if state.draft_steps is not None
                 else gamma * int(state.target_calls),
-                committed_hist=[int(x) for x in np.sum(s.committed_hist, axis=0)])
+                committed_hist=[int(x) for x in np.sum(s.committed_hist, axis=0)],
+                # Rounds by draft length 0..γ (fixed chains: all at γ; the n-gram drafter
+                # drafts 0 without a match; adaptive policies anything up to γ).
+                length_hist=[int(x) for x in np.sum(s.length_hist, axis=0)])
   return dict(gamma=gamma, **with_rates(counts))
 
 

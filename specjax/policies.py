@@ -85,8 +85,14 @@ class GammaPolicy:
 
   def draft(self, drafter, params, state, key, sampling):
     """(ys, qs, draft_state, lengths, steps) for DecodeState `state`: every row drafts γ
-    under 'fixed' (lengths and steps None), else up to its limit (`propose_upto`)."""
+    under 'fixed' (lengths and steps None), or its own length where the drafter sizes
+    its drafts (`sizes_drafts`: the n-gram drafter drafts nothing without a match; a
+    finished row, nothing); else up to its limit (`propose_upto`)."""
     if not self.adaptive:
+      if getattr(drafter, "sizes_drafts", False):
+        ys, qs, draft_state, lengths = drafter.propose_sized(
+            params, state.draft_state, state.tokens, state.n, key, sampling)
+        return ys, qs, draft_state, jnp.where(state.done, 0, lengths), None
       ys, qs, draft_state = drafter.propose(params, state.draft_state, state.tokens, state.n,
                                             key, sampling)
       return ys, qs, draft_state, None, None
@@ -102,7 +108,7 @@ class GammaPolicy:
 
   def carry(self, state, lengths, n_accepted, steps, gamma: int) -> dict:
     """The fields of `init_state` after this round."""
-    if lengths is None:
+    if not self.adaptive:
       return {}
     return dict(draft_len=self.update(state.draft_len, lengths, n_accepted, gamma),
                 draft_steps=state.draft_steps + steps)
@@ -112,7 +118,10 @@ class GammaPolicy:
     if self.kind != "heuristic":
       return draft_len
     all_in = n_accepted >= lengths
-    return jnp.clip(jnp.where(all_in, lengths + 2, lengths - 1), 1, gamma).astype(jnp.int32)
+    grown = jnp.where(all_in, lengths + 2, lengths - 1)
+    # A row that drafted nothing of its own accord (no n-gram match) keeps its length.
+    grown = jnp.where(lengths == 0, draft_len, grown)
+    return jnp.clip(grown, 1, gamma).astype(jnp.int32)
 
 
 def ledger_length(alpha, gamma: int, draft_cost) -> jax.Array:
@@ -133,8 +142,12 @@ def propose_upto(drafter, params, state, tokens, n, key, sampling, limit, confid
   """
   if hasattr(drafter, "propose_until"):
     return drafter.propose_until(params, state, tokens, n, key, sampling, limit, confidence)
+  steps = jnp.asarray(drafter.gamma, jnp.int32)
+  if getattr(drafter, "sizes_drafts", False):
+    ys, qs, state, own = drafter.propose_sized(params, state, tokens, n, key, sampling)
+    return ys, qs, state, jnp.minimum(limit, own), steps
   ys, qs, state = drafter.propose(params, state, tokens, n, key, sampling)
-  return ys, qs, state, limit, jnp.asarray(drafter.gamma, jnp.int32)
+  return ys, qs, state, limit, steps
 
 
 def cut(n_accepted, next_token, ps, lengths, key):
@@ -144,8 +157,11 @@ def cut(n_accepted, next_token, ps, lengths, key):
   L tokens were all accepted would have drawn its bonus from p_{L+1} (index L) with a
   chain of L: that draw replaces the rule's next token; otherwise nothing changes.
   """
-  from specjax.processors.sampling import sample
+  from specjax.processors.sampling import argmax, sample
+  from specjax.verify.exact import point_masses
   full = n_accepted >= lengths
   p_next = jnp.take_along_axis(ps, lengths[:, None, None], axis=1)[:, 0]
-  bonus = sample(key, p_next)
+  # A point mass's draw is its one token (temperature 0): no V random numbers per row.
+  bonus = jax.lax.cond(point_masses(p_next), lambda: argmax(p_next).astype(jnp.int32),
+                       lambda: sample(key, p_next))
   return jnp.minimum(n_accepted, lengths), jnp.where(full, bonus, next_token)

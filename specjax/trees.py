@@ -282,6 +282,10 @@ class NgramTreeDrafter(NgramDrafter):
   candidates: int = 32  # the best matches considered (a trie over their continuations)
   sample_mode = "greedy"  # deterministic children: the point-mass node rule
 
+  @property
+  def sizes_drafts(self) -> bool:  # a tree has a fixed shape
+    return False
+
   def _propose_row(self, tokens, n):
     tree = self.tree
     score = self._scores(tokens, n)  # [S]

@@ -1,5 +1,6 @@
 """Speculative decoding end to end: lossless at every temperature, exact when greedy."""
 
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -54,7 +55,11 @@ class GreedyTest(parameterized.TestCase):
       self.assertEqual(out, greedy_oracle(target, prompt, 12))
     s = res.stats
     self.assertLessEqual(s["accepted"], s["drafted"])
-    self.assertEqual(s["drafted"], gamma * s["rounds"])
+    if drafter == "ngram":  # a row without a match drafts nothing that round
+      self.assertLessEqual(s["drafted"], gamma * s["rounds"])
+      self.assertEqual(s["drafted"] % gamma, 0)
+    else:
+      self.assertEqual(s["drafted"], gamma * s["rounds"])
     self.assertEqual(sum(s["committed_hist"]), s["rounds"])
 
   def test_identical_draft_accepts_everything(self):
@@ -208,6 +213,41 @@ class DeterminismTest(parameterized.TestCase):
         specjax.generate(target, [[1, 2, 3]] * 2, max_new_tokens=21, draft=draft, gamma=3,
                          temperature=temperature, top_p=0.9)
     self.assertEqual(len(traced), 1)
+
+
+class NgramSizedTest(parameterized.TestCase):
+
+  def test_rows_without_a_match_draft_nothing(self):
+    # Distinct prompt tokens: the first round finds no earlier match, so the row drafts
+    # nothing, and on a CPU the verify pass computes the pending token alone
+    # (`decode._verify_pass`). The output is still greedy decoding's, and at temperature 1
+    # the same tokens and stats as with every pass computed whole (the same bits).
+    target = tiny_model(vocab=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                        llama=True, seed=5)
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7, 9, 8, 7, 9, 8], [60, 61, 62]]
+    res = specjax.generate(target, prompts, max_new_tokens=12, drafter="ngram", gamma=3)
+    for prompt, out in zip(prompts, res.tokens):
+      self.assertEqual(out, greedy_oracle(target, prompt, 12))
+    kw = dict(max_new_tokens=12, drafter="ngram", gamma=3, temperature=1.0)
+    narrow = [specjax.generate(target, [p], seed=i, **kw) for i, p in enumerate(prompts)]
+    self.assertLess(sum(r.stats["drafted"] for r in narrow),
+                    3 * sum(r.stats["rounds"] for r in narrow))
+    with mock.patch.object(decode_lib, "CPU_NARROW_PASS", False):
+      decode_lib.decode.clear_cache()
+      whole = [specjax.generate(target, [p], seed=i, **kw) for i, p in enumerate(prompts)]
+    decode_lib.decode.clear_cache()
+    for a, b in zip(narrow, whole):
+      self.assertEqual(a.tokens, b.tokens)
+      np.testing.assert_equal(a.stats, b.stats)
+
+  def test_draft_lengths(self):
+    tokens = jnp.asarray([[1, 2, 3, 4, 0, 0], [4, 5, 4, 0, 0, 0]], jnp.int32)
+    n = jnp.array([4, 3])
+    for sized, want in ((True, [0, 3]), (False, [3, 3])):
+      d = drafters.NgramDrafter(vocab_size=8, gamma=3, sized=sized)
+      y, q, _, lengths = d.propose_sized(None, (), tokens, n, None, None)
+      np.testing.assert_array_equal(lengths, want)
+      np.testing.assert_array_equal(y, d.propose(None, (), tokens, n, None, None)[0])
 
 
 class NgramDrafterTest(parameterized.TestCase):
