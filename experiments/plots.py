@@ -129,7 +129,8 @@ SUMMARY_COLUMNS = [
     ("drafter", "drafter", "s"), ("batch", "batch_size", "d"), ("T", "temperature", "g"),
     ("top-p", "top_p", "g"), ("processors", "processors", "s"), ("γ", "gamma", "d"), ("α̂", "alpha_hat", ".3f"),
     ("accept rate", "acceptance_rate", ".3f"), ("tokens/call", "tokens_per_target_call", ".2f"),
-    ("E(α̂,γ)", "expected_tokens", ".2f"), ("c", "c", ".3f"), ("v(γ)", "v", ".2f"),
+    ("E(α̂, L)", "expected_tokens", ".2f"), ("drafting", "drafting", ".2f"),
+    ("c", "c", ".3f"), ("v(γ)", "v", ".2f"),
     ("tok/s", "tokens_per_s", ".0f"), ("target-only tok/s", "target_only_tokens_per_s", ".0f"),
     ("speedup (min–max)", "speedup", "x"), ("predicted", "predicted_speedup", "x"),
     ("round ρ", "round_ratio", ".2f"), ("predicted (call)", "predicted_call_speedup", "x")]
@@ -139,7 +140,10 @@ def summary_table(rows: list[dict]) -> str:
   rows = [dict(r, processors=processors_label(r) or "none") for r in rows]
   order = sorted(rows, key=lambda r: (r["drafter"], r["batch_size"], r["top_p"],
                                       r["processors"], r["temperature"], r["gamma"]))
-  lines = [common.markdown_table(order, SUMMARY_COLUMNS)]
+  lines = [common.markdown_table(order, SUMMARY_COLUMNS), "",
+           "E(α̂, L): the ledger's tokens per round over the measured draft lengths L "
+           "(Σ P(L) E(α̂, L)); drafting: the share of rounds that drafted (the n-gram "
+           "drafter drafts nothing without a match)."]
   best = max(rows, key=lambda r: r["speedup"])
   lines += ["", f"Best measured: {best['speedup']:.2f}x with the {best['drafter']} drafter, "
             f"γ={best['gamma']}, T={best['temperature']}, batch {best['batch_size']} "
@@ -148,7 +152,8 @@ def summary_table(rows: list[dict]) -> str:
   if whole:
     near = lambda key: sum(abs(r["speedup"] / r[key] - 1) <= 0.1 for r in whole)
     lines.append(f"Measured within 10% of the prediction: {near('predicted_speedup')} of "
-                 f"{len(whole)} points by the ledger's E/(γc+v), "
+                 f"{len(whole)} points by the ledger's E/(γc+v) (over the measured "
+                 f"draft lengths L), "
                  f"{near('predicted_call_speedup')} by the whole call's (round ρ, prefill "
                  f"and host work measured).")
   for drafter in sorted({r["drafter"] for r in rows}):

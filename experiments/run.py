@@ -223,23 +223,30 @@ def make_row(point, timing, sc, machine, calls=None) -> dict:
   stats = timing["method"]["stats"]
   alpha = stats["alpha_hat"]
   tree = _as_tree(point.get("tree"))
-  # An adaptive γ policy drafts L̄ < γ tokens a round on average: E(α̂, L̄) approximates.
-  drafted = stats["drafted"] / stats["rounds"] if stats["rounds"] and not tree else gamma
+  # Rounds drafting fewer than γ (no n-gram match, an adaptive policy) commit
+  # E(α̂, L) and, on a CPU, verify L + 1 tokens: the ledger over the measured lengths.
+  hist = stats.get("length_hist") if not tree else None
+  steps = (stats["draft_steps"] / stats["target_calls"] if stats.get("target_calls")
+           else gamma)  # draft steps a round ran (the n-gram drafter: γ, matched or not)
   if tree:
     parents = generation.make_tree(tree, None).parents
     # α̂ by sibling rank: a later sibling is tried against what p has left.
     expected = ledger.tree_expected_tokens(parents, stats.get("alpha_by_sibling") or alpha)
+    verify = sc["v"]
+  elif hist and sum(hist):
+    expected, verify = ledger.by_length(alpha, hist, sc["v"])
   else:
-    expected = float(ledger.expected_tokens(alpha, drafted))
-  predicted = expected / (drafted * sc["c"] + sc["v"])
+    expected, verify = float(ledger.expected_tokens(alpha, gamma)), sc["v"]
+  predicted = expected / (steps * sc["c"] + verify)
   whole = {}
   if calls:  # the whole call: measured round cost and the fixed part of a call (prefill, host)
     rounds = None  # N / E for trees and adaptive lengths
     if not tree and point.get("gamma_policy", "fixed") == "fixed":
       # The rounds a row needs for its budget, from the rate measured at each draft
       # position (what α̂ pools), the last round cut short.
-      rounds = ledger.rounds_to_commit(ledger.commits_by_position(
-          stats["acceptance_by_position"], gamma), calls["new_tokens"])
+      commits = (ledger.commits_by_length(stats["acceptance_by_position"], hist) if hist
+                 else ledger.commits_by_position(stats["acceptance_by_position"], gamma))
+      rounds = ledger.rounds_to_commit(commits, calls["new_tokens"])
     whole = dict(
         predicted_call_speedup=float(ledger.predicted_call_speedup(
             expected, calls["new_tokens"], calls["round"], calls["fixed_method"],
@@ -261,7 +268,8 @@ def make_row(point, timing, sc, machine, calls=None) -> dict:
       acceptance_by_position=stats["acceptance_by_position"],
       acceptance_by_sibling=stats["acceptance_by_sibling"],
       alpha_by_sibling=stats["alpha_by_sibling"],
-      committed_hist=stats["committed_hist"],
+      committed_hist=stats["committed_hist"], length_hist=hist,
+      drafting=1.0 - hist[0] / sum(hist) if hist and sum(hist) else 1.0,
       seconds=timing["method"]["seconds"], tokens_per_s=timing["method"]["tokens_per_s"],
       target_only_tokens_per_s=timing["baseline"]["tokens_per_s"],
       speedup=timing["speedup"], speedup_min=timing["speedup_min"],

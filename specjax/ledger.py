@@ -7,6 +7,12 @@ target pass, against E target steps for plain decoding. In units of one 1-token 
 step, with c = draft step / target step and v(γ) = (γ+1)-token pass / 1-token pass,
   speedup(α, γ) = E(α, γ) / (γ c + v(γ)).
 On accelerators v ≈ 1 (decode is memory bound); on a CPU v grows with γ.
+
+Rounds need not all draft γ: the n-gram drafter drafts nothing without a match, an
+adaptive policy anything up to γ, and on a CPU the verify pass is only as long as the
+draft (`decode._verify_pass`). With P(L) the measured law of draft lengths
+(`length_hist`), a round commits Σ_L P(L) E(α, L) tokens and its pass costs
+Σ_L P(L) v(L) (`by_length`).
 """
 
 from __future__ import annotations
@@ -55,6 +61,23 @@ def alpha_from_positions(accepted_at: Sequence[int], rounds: int,
   reached = (rounds + accepted_at[:-1].sum() if verified_at is None
              else float(np.sum(verified_at)))
   return float(accepted_at.sum() / reached)
+
+
+def length_law(length_hist: Sequence[int]) -> np.ndarray:
+  """P(L), L = 0..γ, from the rounds counted at each draft length."""
+  hist = np.asarray(length_hist, np.float64)
+  return hist / hist.sum() if hist.sum() > 0 else hist
+
+
+def by_length(alpha, length_hist: Sequence[int], v_gamma: float):
+  """(tokens per round, verify cost per round) for draft lengths with the law of
+  `length_hist` (rounds at L = 0..γ): Σ P(L) E(α, L) and Σ P(L) v(L), with v(L) on the
+  line from v(0) = 1 (the 1-token step) to v(γ) = v_gamma. All rounds at γ: E(α, γ), v(γ)."""
+  law = length_law(length_hist)
+  lengths = np.arange(law.size)
+  gamma = max(law.size - 1, 1)
+  expected = float(law @ expected_tokens(alpha, lengths))
+  return expected, float(law @ (1.0 + (v_gamma - 1.0) * lengths / gamma))
 
 
 def fit_verify_cost(gammas: Sequence[int], costs: Sequence[float]) -> Callable[[int], float]:
@@ -131,6 +154,16 @@ def commits_by_position(rates, gamma: int) -> np.ndarray:
   rates = rates[np.minimum(np.arange(gamma), rates.size - 1)]
   reach = np.concatenate([[1.0], np.cumprod(rates)])  # P(position k reached), k = 0..γ
   return reach * np.append(1.0 - rates, 1.0)
+
+
+def commits_by_length(rates, length_hist: Sequence[int]) -> np.ndarray:
+  """P(a round commits k + 1 tokens), k = 0..γ, for rounds drafting L = 0..γ tokens with
+  the law of `length_hist`: the mixture of `commits_by_position(rates, L)`."""
+  law = length_law(length_hist)
+  out = np.zeros(law.size)
+  for length, p in enumerate(law):
+    out[:length + 1] += p * commits_by_position(rates, length)
+  return out
 
 
 def rounds_to_commit(commits, new_tokens: int) -> float:

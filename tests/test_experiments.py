@@ -15,7 +15,7 @@ FIELDS = {"drafter", "gamma", "temperature", "top_p", "batch_size", "rows", "rou
           "tokens_per_target_call", "speedup_min", "speedup_max", "expected_tokens", "tokens_per_s",
           "target_only_tokens_per_s", "speedup", "c", "v", "predicted_speedup",
           "acceptance_by_position", "committed_hist", "acceptance_by_sibling",
-          "alpha_by_sibling"}
+          "alpha_by_sibling", "drafting"}
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,14 @@ def test_smoke_counts_agree(smoke):
   cfg, _, rows = smoke
   for r in rows:
     assert FIELDS <= set(r), FIELDS - set(r)
-    assert 0 <= r["accepted"] <= r["drafted"] == r["gamma"] * r["rounds"]
+    assert 0 <= r["accepted"] <= r["drafted"] <= r["gamma"] * r["rounds"]
+    if r.get("tree") is None:  # rounds by draft length: γ, or 0 for an n-gram miss
+      hist = r["length_hist"]
+      assert sum(hist) == r["rounds"] and hist[1:-1] == [0] * (r["gamma"] - 1)
+      assert r["drafted"] == r["gamma"] * hist[-1]
+      assert r["drafting"] == hist[-1] / r["rounds"]
+      if r["drafter"] != "ngram":
+        assert r["drafting"] == 1.0
     # Each round commits its accepted tokens plus one; stops only ever cut that short.
     assert r["committed"] <= r["accepted"] + r["rounds"]
     assert r["committed"] == r["rows"] * cfg.max_new_tokens  # stop_at_eos is off
@@ -73,8 +80,9 @@ def test_policy_and_rule_axes(tmp_path):
   assert len(rows) == 4
   for r in rows:
     assert r["lossless"] == (r["verify_rule"] == "exact")
-    if r["gamma_policy"] == "fixed":
-      assert r["drafted"] == 3 * r["rounds"]
+    if r["gamma_policy"] == "fixed":  # γ, or nothing without an n-gram match
+      assert r["drafted"] == 3 * r["length_hist"][3]
+      assert r["length_hist"][0] + r["length_hist"][3] == r["rounds"]
     assert 0 < r["drafted"] <= 3 * r["rounds"] and r["draft_steps"] > 0
     assert r["round_ratio_min"] <= r["round_ratio"] <= r["round_ratio_max"]
     assert r["fixed_method"] > 0 and r["fixed_baseline"] > 0  # prefill and host work

@@ -92,3 +92,20 @@ def test_rounds_to_commit_a_budget():
   # Long budgets: N / E plus a bounded overshoot.
   mean, r = law @ np.arange(1, 5), ledger.rounds_to_commit(law, 400)
   assert 400 / mean < r < 400 / mean + 1
+
+
+def test_rounds_of_different_draft_lengths():
+  # Every round at γ: the ledger's E(α, γ) and v(γ).
+  np.testing.assert_allclose(ledger.by_length(0.7, [0, 0, 0, 5], 1.6),
+                             (ledger.expected_tokens(0.7, 3), 1.6))
+  # Half the rounds draft nothing (an n-gram miss): they commit 1 token for one step.
+  e, v = ledger.by_length(0.7, [4, 0, 0, 4], 1.6)
+  np.testing.assert_allclose((e, v), ((1 + ledger.expected_tokens(0.7, 3)) / 2, 1.3))
+  # A length between: v on the line from v(0) = 1 to v(γ).
+  np.testing.assert_allclose(ledger.by_length(0.7, [0, 1, 0, 0], 1.6)[1], 1.2)
+  # The law of commits is the mixture of each length's, with that mean.
+  law = ledger.commits_by_length([0.7], [4, 0, 0, 4])
+  np.testing.assert_allclose(law.sum(), 1.0)
+  np.testing.assert_allclose(law @ np.arange(1, 5), e)
+  np.testing.assert_allclose(ledger.commits_by_length([0.7], [0, 0, 0, 2]),
+                             ledger.commits_by_position([0.7], 3))
