@@ -14,8 +14,12 @@ policy is therefore as lossless as the rule it runs with.
                 (transformers' `assistant_confidence_threshold`).
   'ledger'      each row's running α̂ (its verified Σ min(p, q), shrunk toward a prior)
                 picks L = argmax_L E(α̂, L) / (L·c + v): c and v are one draft token's
-                and the verify pass's cost. The pass keeps its static width, so a shorter
-                draft saves draft work only, and `draft_cost` = c / v is all it needs.
+                and the verify pass's cost, `draft_cost` = c / v. (On a CPU the pass
+                then computes only max L + 1 tokens, `decode._verify_pass`, which this
+                price leaves out: it errs towards longer drafts.)
+
+Under 'fixed', a drafter that sizes its own drafts (`sizes_drafts`: the n-gram drafter,
+which drafts nothing without a match) gives each row its own length all the same.
 
 The draft loop of the model and EAGLE drafters is a `while_loop` that ends when every
 row has stopped, so a short or unconfident batch really does less draft work.

@@ -1,5 +1,6 @@
 """Autoregressive `specjax.generate`: greedy oracle, stops, one compile per sweep, bad input."""
 
+import jax
 import numpy as np
 from absl.testing import parameterized
 
@@ -132,3 +133,9 @@ class BadInputTest(parameterized.TestCase):
     prompts = args.pop("prompts")
     with self.assertRaisesRegex(ValueError, message):
       specjax.generate(model, prompts, **args)
+
+
+def test_seed_key_is_prng_key():
+  from specjax import generation
+  for seed in (0, 1, 7, 2 ** 31, 2 ** 32 - 1):
+    np.testing.assert_array_equal(generation.seed_key(seed), jax.random.PRNGKey(seed))

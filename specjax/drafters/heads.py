@@ -137,11 +137,12 @@ class EagleDrafter:
     start = kv.length
     pos = start[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]
     next_tokens = jnp.take_along_axis(tokens, pos + 1, axis=1, mode="clip")
-    x, logits, kv = heads_lib.eagle_apply(self.config, params, state.feats, next_tokens, kv)
-    last = jnp.clip(n - 2 - start, 0, c - 1)[:, None, None]
-    x = jnp.take_along_axis(x, last, axis=1)
-    logits = jnp.take_along_axis(logits, last, axis=1)[:, 0]
-    return x, logits, kv.rollback(jnp.maximum(n - 1, 0))  # true slots 0..n-2
+    # Only slot n-2's output is read, and the slots past it are rolled back: the head's
+    # LM head runs on one row, and its layer (fused, on a CPU) on slots up to there.
+    last = jnp.clip(n - 2 - start, 0, c - 1)
+    x, logits, kv = heads_lib.eagle_apply(self.config, params, state.feats, next_tokens, kv,
+                                          at=last)
+    return x, logits[:, 0], kv.rollback(jnp.maximum(n - 1, 0))  # true slots 0..n-2
 
   def propose(self, params, state, tokens, n, key, sampling):
     x, logits, kv = self._first(params, state, tokens, n)

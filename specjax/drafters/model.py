@@ -66,8 +66,11 @@ class ModelDrafter:
     start = kv.length
     chunk = jnp.take_along_axis(tokens, start[:, None] + jnp.arange(2)[None, :], axis=1,
                                 mode="clip")
-    logits, kv = model_lib.forward_cached(self.graphdef, params, chunk, kv)
     last = (n - 1) - start  # 0 or 1: which of the two fed tokens is the newest
+    # After a rejection every row's newest token is the first: the CPU kernels skip the
+    # second (`forward_cached(live=)`), whose slot the rollback drops anyway.
+    logits, kv = model_lib.forward_cached(self.graphdef, params, chunk, kv,
+                                          live=jnp.max(last) + 1)
     logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
     return logits, kv.rollback(n)
 

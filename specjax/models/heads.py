@@ -112,14 +112,19 @@ class EagleHead(_Readout):
                                 kernel_init=nnx.initializers.normal(0.02))
     self.layer = model_lib.Block(hc.layer_config, rngs)
 
-  def __call__(self, features, next_tokens, positions, cache=None, read_cache=True):
+  def __call__(self, features, next_tokens, positions, cache=None, read_cache=True, at=None):
     """features [B, T, d] (f_t), next_tokens int[B, T] (x_{t+1}), positions int[B, T]
 
     -> (predicted f_{t+1} [B, T, d], logits for x_{t+2} [B, T, V], new (k, v) or None).
+    at int[B]: only slot at[b] of each row is read (T becomes 1 in both outputs), and
+    only slots up to max(at) are computed where the layer runs fused (`Block._fused`).
     """
     x = jnp.concatenate([self.feature_norm(features.astype(self.embed.embedding.dtype)),
                          self.token_norm(self.embed(next_tokens))], axis=-1)
-    x, cache = self.layer(self.fuse(x), positions, cache, read_cache)
+    live = None if at is None else jnp.max(at) + 1
+    x, cache = self.layer(self.fuse(x), positions, cache, read_cache, live=live)
+    if at is not None:  # one row of the LM head, not T
+      x = jnp.take_along_axis(x, at[:, None, None], axis=1)
     return x, self.readout(x), cache
 
 
@@ -160,18 +165,22 @@ def shared_params(target_params) -> dict:
   return {k: target_params[k] for k in SHARED if k in target_params}
 
 
-def eagle_apply(hc: HeadConfig, params, features, next_tokens, kv=None, empty=False):
+def eagle_apply(hc: HeadConfig, params, features, next_tokens, kv=None, empty=False,
+                at=None):
   """Runs the EAGLE head on T slots; with `kv`, at each row's own `kv.length`.
 
   Returns (predicted features [B, T, d], logits float32[B, T, V], kv + T or None).
   Without a cache the slots are positions 0..T-1, attended causally (training).
+  at int[B]: the outputs of slot at[b] alone ([B, 1, ...]); slots past it may go
+  uncomputed, their KV unwritten.
   """
   module = nnx.merge(graphdef_for(hc), params)
   b, t = next_tokens.shape
   start = jnp.zeros((b,), jnp.int32) if kv is None else kv.length
   positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
   cache = None if kv is None else (kv.k[0], kv.v[0], kv.length)
-  x, logits, new = module(features, next_tokens, positions, cache, read_cache=not empty)
+  x, logits, new = module(features, next_tokens, positions, cache, read_cache=not empty,
+                          at=at)
   if kv is not None:
     kv = kv.replace(k=(new[0],), v=(new[1],), length=kv.length + t)
   return x, logits, kv
