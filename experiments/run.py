@@ -234,7 +234,8 @@ def make_row(point, timing, sc, machine, calls=None) -> dict:
     expected = ledger.tree_expected_tokens(parents, stats.get("alpha_by_sibling") or alpha)
     verify = sc["v"]
   elif hist and sum(hist):
-    expected, verify = ledger.by_length(alpha, hist, sc["v"])
+    # A batch's pass is as wide as its longest draft (pass_hist), every row's cost.
+    expected, verify = ledger.by_length(alpha, hist, sc["v"], stats.get("pass_hist"))
   else:
     expected, verify = float(ledger.expected_tokens(alpha, gamma)), sc["v"]
   predicted = expected / (steps * sc["c"] + verify)

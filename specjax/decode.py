@@ -74,6 +74,9 @@ class Stats:
   verified_at: jax.Array  # int32[B, γ] times position i was drafted and checked
   committed_hist: jax.Array  # int32[B, γ+2] histogram of tokens committed per round
   length_hist: jax.Array  # int32[B, γ+1] rounds by the row's draft length (0..γ)
+  # int32[B, γ+1] rounds by the draft tokens the batch's verify pass computed (0..γ): the
+  # longest draft of the batch on a CPU (`_verify_pass`), else γ.
+  pass_hist: jax.Array
   overlap_sum: jax.Array  # float32[B] Σ over verified positions of Σ_x min(p, q)
   overlap_count: jax.Array  # int32[B] verified positions
   # Per sibling rank r (a chain is a tree with one child per node: K = 1): times a child
@@ -87,7 +90,7 @@ class Stats:
     zi = lambda *s: jnp.zeros((batch,) + s, jnp.int32)
     return cls(rounds=zi(), drafted=zi(), accepted=zi(), committed=zi(),
                accepted_at=zi(gamma), verified_at=zi(gamma), committed_hist=zi(gamma + 2),
-               length_hist=zi(gamma + 1),
+               length_hist=zi(gamma + 1), pass_hist=zi(gamma + 1),
                overlap_sum=jnp.zeros((batch,), jnp.float32), overlap_count=zi(),
                sibling_tried=zi(siblings), sibling_accepted=zi(siblings),
                sibling_chance=jnp.zeros((batch, siblings), jnp.float32))
@@ -157,11 +160,12 @@ def commit_count(n_accepted, room, hits, done):
 
 
 def update_stats(s: Stats, live, n_accepted, count, overlap, lengths=None,
-                 siblings=None) -> Stats:
+                 siblings=None, verified_width=None) -> Stats:
   """Adds one round. lengths: int32[B] tokens each row drafted (None: γ, a fixed chain);
   positions past a row's length were neither drafted nor verified. siblings: a tree
   round's (tried, accepted, chance) [B, K] by sibling rank (`trees.walk`); None for a
-  chain, whose one child per node was tried at every verified position."""
+  chain, whose one child per node was tried at every verified position. verified_width
+  (int32): the draft tokens the batch's pass computed this round (None: γ)."""
   gamma = s.accepted_at.shape[1]
   li = live.astype(jnp.int32)
   lengths = jnp.full_like(n_accepted, gamma) if lengths is None else lengths
@@ -182,6 +186,10 @@ def update_stats(s: Stats, live, n_accepted, count, overlap, lengths=None,
       + jax.nn.one_hot(count, gamma + 2, dtype=jnp.int32) * li[:, None],
       length_hist=s.length_hist + jax.nn.one_hot(lengths, gamma + 1, dtype=jnp.int32)
       * li[:, None],
+      pass_hist=s.pass_hist + jax.nn.one_hot(
+          jnp.full_like(n_accepted, gamma) if verified_width is None else
+          jnp.broadcast_to(verified_width, n_accepted.shape), gamma + 1,
+          dtype=jnp.int32) * li[:, None],
       overlap_sum=s.overlap_sum + li * jnp.sum(seen, axis=1),
       overlap_count=s.overlap_count + verified * li,
       sibling_tried=s.sibling_tried + tried * li[:, None],
@@ -217,12 +225,15 @@ def _verify_pass(engine: Engine, params, tokens, kv, lengths, done):
   CPU's pass costs about its arithmetic, so a round whose rows all drafted less (an
   adaptive policy, an n-gram row without a match, finished rows) costs less. The rule
   reads no position past a row's length (`policies.cut`); the logits and features
-  past the longest repeat its last position (a point mass stays one).
+  past the longest repeat its last position (a point mass stays one). Also returns the
+  draft tokens computed (int32), or None where every token is.
   """
   narrow = (CPU_NARROW_PASS and lengths is not None and engine.mesh is None
-            and cpu_kernels.available())
+            and cpu_kernels.available()
+            and model_lib.runs_fused(model_lib.graphdef_for(engine.target), params, kv,
+                                     tokens.shape[1]))
   if not narrow:
-    return _target_pass(engine, params, tokens, kv)
+    return (*_target_pass(engine, params, tokens, kv), None)
   live = jnp.max(jnp.where(done, 0, lengths)) + 1
   logits, kv, features = _target_pass(engine, params, tokens, kv, live=live)
   keep = (jnp.arange(tokens.shape[1]) < live)[None, :, None]
@@ -230,7 +241,7 @@ def _verify_pass(engine: Engine, params, tokens, kv, lengths, done):
   def pad(x):
     return None if x is None else jnp.where(keep, x, jax.lax.dynamic_slice_in_dim(
         x, live - 1, 1, axis=1))
-  return pad(logits), kv, pad(features)
+  return pad(logits), kv, pad(features), live - 1
 
 
 def _per_prefix(sampling: Sampling, history, tokens):
@@ -263,10 +274,11 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
   # 2. Verify pass: the pending token and the γ drafts (or every tree node), one call.
   pending = jnp.take_along_axis(state.tokens, (state.n - 1)[:, None], axis=1)
   candidates = jnp.concatenate([pending, ys], axis=1)
-  if tree is None:  # as wide as the longest draft, where widths are bucketed
-    logits, target_kv, features = _verify_pass(engine, weights.target, candidates,
-                                               state.target_kv, lengths, state.done)
+  if tree is None:  # on a CPU, computed up to the longest draft only
+    logits, target_kv, features, width = _verify_pass(engine, weights.target, candidates,
+                                                      state.target_kv, lengths, state.done)
   else:
+    width = None
     logits, target_kv, features = _target_pass(engine, weights.target, candidates,
                                                state.target_kv,
                                                **trees.verify_layout(tree, state.n))
@@ -317,7 +329,7 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
       draft_state=draft_state,
       key=key, target_calls=state.target_calls + 1,
       stats=update_stats(state.stats, ~state.done, n_accepted, count, overlap, lengths,
-                         siblings),
+                         siblings, width),
       **policy.carry(state, lengths, n_accepted, steps, drafter.gamma))
 
 

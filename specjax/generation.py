@@ -181,7 +181,7 @@ def make_policy(kind, confidence, draft_cost, drafter) -> policies.GammaPolicy:
 
 COUNTERS = ("rows", "rounds", "target_calls", "drafted", "accepted", "committed",
             "overlap_sum", "overlap_count", "accepted_at", "verified_at", "committed_hist",
-            "length_hist",
+            "length_hist", "pass_hist",
             "draft_steps", "sibling_tried", "sibling_accepted", "sibling_chance")
 
 
@@ -227,7 +227,10 @@ def summarize_stats(state: decode_lib.DecodeState, gamma: int) -> dict[str, Any]
                 committed_hist=[int(x) for x in np.sum(s.committed_hist, axis=0)],
                 # Rounds by draft length 0..γ (fixed chains: all at γ; the n-gram drafter
                 # drafts 0 without a match; adaptive policies anything up to γ).
-                length_hist=[int(x) for x in np.sum(s.length_hist, axis=0)])
+                length_hist=[int(x) for x in np.sum(s.length_hist, axis=0)],
+                # Rounds by the draft tokens the batch's verify pass computed (on a CPU
+                # the longest draft of the batch, else γ): what the pass cost.
+                pass_hist=[int(x) for x in np.sum(s.pass_hist, axis=0)])
   return dict(gamma=gamma, **with_rates(counts))
 
 

@@ -69,15 +69,19 @@ def length_law(length_hist: Sequence[int]) -> np.ndarray:
   return hist / hist.sum() if hist.sum() > 0 else hist
 
 
-def by_length(alpha, length_hist: Sequence[int], v_gamma: float):
+def by_length(alpha, length_hist: Sequence[int], v_gamma: float,
+              pass_hist: Sequence[int] | None = None):
   """(tokens per round, verify cost per round) for draft lengths with the law of
-  `length_hist` (rounds at L = 0..γ): Σ P(L) E(α, L) and Σ P(L) v(L), with v(L) on the
-  line from v(0) = 1 (the 1-token step) to v(γ) = v_gamma. All rounds at γ: E(α, γ), v(γ)."""
+  `length_hist` (rounds at L = 0..γ): Σ P(L) E(α, L) and Σ P(W) v(W) over the passes'
+  widths `pass_hist` (rounds by the draft tokens the pass computed; None: as
+  length_hist, one row per batch), with v(W) on the line from v(0) = 1 (the 1-token
+  step) to v(γ) = v_gamma. All rounds at γ: E(α, γ), v(γ)."""
   law = length_law(length_hist)
   lengths = np.arange(law.size)
   gamma = max(law.size - 1, 1)
   expected = float(law @ expected_tokens(alpha, lengths))
-  return expected, float(law @ (1.0 + (v_gamma - 1.0) * lengths / gamma))
+  widths = law if pass_hist is None else length_law(pass_hist)
+  return expected, float(widths @ (1.0 + (v_gamma - 1.0) * lengths / gamma))
 
 
 def fit_verify_cost(gammas: Sequence[int], costs: Sequence[float]) -> Callable[[int], float]:

@@ -109,3 +109,6 @@ def test_rounds_of_different_draft_lengths():
   np.testing.assert_allclose(law @ np.arange(1, 5), e)
   np.testing.assert_allclose(ledger.commits_by_length([0.7], [0, 0, 0, 2]),
                              ledger.commits_by_position([0.7], 3))
+  # Rows of a batch share a pass as wide as its longest draft: the passes' widths price it.
+  np.testing.assert_allclose(ledger.by_length(0.7, [4, 0, 0, 4], 1.6, [1, 0, 0, 7]),
+                             (e, (1 + 7 * 1.6) / 8))

@@ -238,6 +238,9 @@ class NgramSizedTest(parameterized.TestCase):
     decode_lib.decode.clear_cache()
     for a, b in zip(narrow, whole):
       self.assertEqual(a.tokens, b.tokens)
+      # One row: each pass computed that row's draft, or all γ tokens with narrowing off.
+      self.assertEqual(a.stats.pop("pass_hist"), a.stats["length_hist"])
+      self.assertEqual(b.stats.pop("pass_hist"), [0, 0, 0, b.stats["rounds"]])
       np.testing.assert_equal(a.stats, b.stats)
 
   def test_draft_lengths(self):

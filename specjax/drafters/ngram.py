@@ -21,7 +21,7 @@ class NgramDrafter:
 
   With no match a row drafts nothing (`sized`, the default): its round is one plain
   step, and on a CPU the verify pass narrows to the longest draft in the batch
-  (`decode.pass_widths`). The stand-in proposal (the last token repeated, kept as the
+  (`decode._verify_pass`). The stand-in proposal (the last token repeated, kept as the
   tokens of that row) was accepted at 1 of 45 such positions of the shipped pair's
   held-out text, while a 5-token pass costs ~1.8 steps there. sized=False: every row
   drafts γ.

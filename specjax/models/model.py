@@ -434,6 +434,13 @@ def forward_cached(graphdef, params: Params, tokens: jax.Array, kv: kv_cache.KVS
   return (logits, kv, features[0]) if hidden else (logits, kv)
 
 
+def runs_fused(graphdef, params: Params, kv: kv_cache.KVState, tokens: int) -> bool:
+  """Whether a cached pass of `tokens` tokens runs its layers as the fused kernel calls
+  (`Block._fused`), and so computes only the `live` tokens it is given."""
+  block = merge(graphdef, params).blocks[0]
+  return bool(block._fused((kv.k[0], kv.v[0], kv.length), None, tokens))
+
+
 forward_jit = jax.jit(forward, static_argnums=0, static_argnames="hidden")
 forward_cached_jit = jax.jit(forward_cached, static_argnums=0,
                              static_argnames=("empty", "hidden"))
