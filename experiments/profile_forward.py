@@ -5,6 +5,7 @@ r"""Where the time of a cached forward goes, per op, for T new tokens; and v(γ)
   python -m experiments.profile_forward --rowwise_max_rows=0   # row by row off (projections, attention)
   python -m experiments.profile_forward --rounds=none,ngram,model   # + decode rounds, kernels on / off
   python -m experiments.profile_forward --off=fused --rounds=none,ngram,model  # fused layer calls on / off
+  python -m experiments.profile_forward --trace=false --ops=false --max_gamma=4 --live_gamma=4  # narrowed passes
 
 Three tables, each from paired, interleaved timing (the machine is shared: nothing here
 is a ratio of two separate runs; each ratio is the median of per-round ratios, with its
@@ -23,7 +24,10 @@ min and max):
    each pass paired with a 1-token step; with --compare, also paired with the same pass
    with --off turned off; and the per-token cost of a long pass (the compute-bound
    floor of one more verify token).
-4. With --rounds: whole decode rounds (`costs.round_timer`: draft, verify, commit;
+4. With --live_gamma=γ: the (γ+1)-token pass computing only L + 1 tokens (`live`, as
+   a round whose longest draft is L runs it on a CPU), L = 0..γ, and the whole
+   (L+1)-token pass, each paired with a 1-token step.
+5. With --rounds: whole decode rounds (`costs.round_timer`: draft, verify, commit;
    γ = 4, T = 0) of each listed drafter, the kernels on against off, paired.
 """
 
@@ -79,6 +83,8 @@ _ROWWISE = flags.DEFINE_integer("rowwise_max_rows", None, "Override "
 _ROUNDS = flags.DEFINE_list("rounds", [], "Drafters (none, ngram, model) whose decode "
                             "rounds, γ = 4, T = 0, are timed with --off's choice on and off.")
 _DRAFT = flags.DEFINE_string("draft", "stdlib-draft", "Draft model for --rounds=model.")
+_LIVE = flags.DEFINE_integer("live_gamma", 0, "Also time the (γ+1)-token pass computing "
+                             "only L + 1 tokens, L = 0..γ (0: off).")
 _FLOOR = flags.DEFINE_integer("floor_tokens", 64, "Also time a pass of this many tokens "
                               "(per-token cost at full GEMM throughput); 0: skip.")
 
@@ -122,9 +128,9 @@ def timed_loop(body, carry, iters):
   return costs.loop_timer(loop, carry, calls=iters)
 
 
-def forward_timer(model, batch, t, context, cache_size, iters):
+def forward_timer(model, batch, t, context, cache_size, iters, live=None):
   """`costs.forward_timer`: the engine's program (weights passed in, not baked in)."""
-  return costs.forward_timer(model, batch, t, context, cache_size, iters)
+  return costs.forward_timer(model, batch, t, context, cache_size, iters, live=live)
 
 
 def piece_timers(model, batch, t, context, cache_size, iters):
@@ -417,8 +423,34 @@ def main(argv):
           f"{ratio_text(big, small)} of a 1-token step: the floor of each extra verify "
           "token when its matmuls run at full GEMM throughput")
 
+  if _LIVE.value:
+    live_table(model, batch, context, cache, iters, pairs, _LIVE.value)
+
   if _ROUNDS.value:
     round_table(model, context, pairs)
+
+
+def live_table(model, batch, context, cache, iters, pairs, gamma):
+  """The (γ+1)-token pass with L + 1 live tokens and the whole (L+1)-token pass, each
+  paired with the 1-token step right before it."""
+  step = forward_timer(model, batch, 1, context, cache, iters)
+  timers = {}
+  for length in range(gamma + 1):
+    timers["narrowed", length] = forward_timer(model, batch, gamma + 1, context, cache, iters,
+                                               live=length + 1)
+    timers["whole", length] = forward_timer(model, batch, length + 1, context, cache, iters)
+  ratios = {key: ([], []) for key in timers}
+  for i in range(pairs + 1):
+    for key, timer in timers.items():
+      a, b = step(), timer()
+      if i:
+        ratios[key][0].append(b)
+        ratios[key][1].append(a)
+  print(f"\n| L | {gamma + 1}-token pass, L + 1 live / step | (L+1)-token pass / step |\n"
+        "|---|---|---|")
+  for length in range(gamma + 1):
+    print(f"| {length} | {ratio_text(*ratios['narrowed', length])} | "
+          f"{ratio_text(*ratios['whole', length])} |")
 
 
 def round_table(model, context, pairs, rounds=16):

@@ -96,8 +96,11 @@ def loop_timer(loop, *args, calls: int = 1) -> Callable[[], float]:
 
 
 def forward_timer(model, batch: int, tokens_per_call: int, context: int = 128,
-                  cache_size: int | None = None, iters: int = 64) -> Callable[[], float]:
-  """`loop_timer` of `iters` cached forwards of `tokens_per_call` new tokens at `context`."""
+                  cache_size: int | None = None, iters: int = 64,
+                  live: int | None = None) -> Callable[[], float]:
+  """`loop_timer` of `iters` cached forwards of `tokens_per_call` new tokens at `context`;
+  with `live`, passes that compute only their first `live` tokens where the CPU kernels
+  run the layers (a narrowed verify pass, `decode._verify_pass`)."""
   cache_size = cache_size or context + tokens_per_call + 64
   graphdef = model.graphdef
 
@@ -105,7 +108,8 @@ def forward_timer(model, batch: int, tokens_per_call: int, context: int = 128,
   def loop(params, kv, tokens):
     def body(_, carry):
       kv, tokens = carry
-      logits, new_kv = model_lib.forward_cached(graphdef, params, tokens, kv)
+      logits, new_kv = model_lib.forward_cached(
+          graphdef, params, tokens, kv, live=None if live is None else jnp.int32(live))
       # Feeding back the argmax keeps each call dependent on the previous one.
       return new_kv.rollback(kv.length), argmax(logits).astype(jnp.int32)
     return jax.lax.fori_loop(0, iters, body, (kv, tokens))

@@ -95,3 +95,23 @@ def test_forward_timer_keeps_the_cache_in_the_weights_dtype():
   run = costs.forward_timer(model, 1, 2, context=8, iters=1)
   kv = run.args[1]
   assert kv.k[0].dtype == jnp.bfloat16 and kv.v[0].dtype == jnp.bfloat16
+
+
+def test_forward_timer_times_a_narrowed_pass():
+  # `live` reaches the timed program: where the CPU kernels run the layers (a Llama-shaped
+  # model, laid out), its logits past the live tokens are the kernels' zeros.
+  import jax
+  import jax.numpy as jnp
+  from conftest import tiny_model
+  from specjax.models import cpu_kernels
+  model = tiny_model(vocab=16, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, llama=True)
+  run = costs.forward_timer(model, 1, 4, context=8, iters=1, live=2)
+  assert run() > 0
+  hlo = run.loop.lower(*run.args).as_text()
+  assert ("specjax_rope_attention" in hlo) == cpu_kernels.available()
+  graphdef, (params, kv, tokens) = model.graphdef, run.args
+  from specjax.models import model as model_lib
+  logits, _ = jax.jit(lambda p, k, t: model_lib.forward_cached(graphdef, p, t, k,
+                                                              live=jnp.int32(2)))(params, kv, tokens)
+  if cpu_kernels.available():
+    assert bool(jnp.all(logits[:, 2:] == 0)) and not bool(jnp.all(logits[:, :2] == 0))
