@@ -217,7 +217,7 @@ def _target_pass(engine: Engine, params, tokens, kv, empty=False, **layout):
 CPU_NARROW_PASS = True
 
 
-def _verify_pass(engine: Engine, params, tokens, kv, lengths, done):
+def _verify_pass(engine: Engine, params, tokens, kv, lengths, done, **layout):
   """The chain's verify pass over tokens [B, γ+1]: logits [B, γ+1, V], kv, features.
 
   With draft lengths (int32[B]), only each row's first max(lengths) + 1 tokens are
@@ -226,14 +226,15 @@ def _verify_pass(engine: Engine, params, tokens, kv, lengths, done):
   adaptive policy, an n-gram row without a match, finished rows) costs less. The rule
   reads no position past a row's length (`policies.cut`); the logits and features
   past the longest repeat its last position (a point mass stays one). Also returns the
-  draft tokens computed (int32), or None where every token is.
+  draft tokens computed (int32), or None where every token is. A tree's pass (its
+  `layout`, no lengths) computes every node.
   """
   narrow = (CPU_NARROW_PASS and lengths is not None and engine.mesh is None
             and cpu_kernels.available()
             and model_lib.runs_fused(model_lib.graphdef_for(engine.target), params, kv,
                                      tokens.shape[1]))
   if not narrow:
-    return (*_target_pass(engine, params, tokens, kv), None)
+    return (*_target_pass(engine, params, tokens, kv, **layout), None)
   live = jnp.max(jnp.where(done, 0, lengths)) + 1
   logits, kv, features = _target_pass(engine, params, tokens, kv, live=live)
   keep = (jnp.arange(tokens.shape[1]) < live)[None, :, None]
@@ -273,15 +274,10 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
       drafter, weights.draft, state, draft_key, sampling.replace(history=state.history))
   # 2. Verify pass: the pending token and the γ drafts (or every tree node), one call.
   pending = jnp.take_along_axis(state.tokens, (state.n - 1)[:, None], axis=1)
-  candidates = jnp.concatenate([pending, ys], axis=1)
-  if tree is None:  # on a CPU, computed up to the longest draft only
-    logits, target_kv, features, width = _verify_pass(engine, weights.target, candidates,
-                                                      state.target_kv, lengths, state.done)
-  else:
-    width = None
-    logits, target_kv, features = _target_pass(engine, weights.target, candidates,
-                                               state.target_kv,
-                                               **trees.verify_layout(tree, state.n))
+  layout = {} if tree is None else trees.verify_layout(tree, state.n)
+  logits, target_kv, features, width = _verify_pass(
+      engine, weights.target, jnp.concatenate([pending, ys], axis=1), state.target_kv,
+      lengths, state.done, **layout)
   # Position i is processed with the history of the committed prefix + y_1..y_{i-1};
   # a tree node with the committed prefix + the tokens on its root-to-node path.
   prefixes = (_per_prefix(sampling, state.history, ys) if tree is None
