@@ -280,6 +280,14 @@ def test_head_for_another_target_is_refused(target):
       head.check_target(other)
     with pytest.raises(ValueError, match=what):
       head.draft_params(other)
+  # Fingerprints are remembered per jax array; numpy weights are hashed every time, so
+  # one changed in place after a passing check is still refused.
+  head.check_target(target)
+  host = target.with_params(jax.tree_util.tree_map(np.array, target.params))
+  head.check_target(host)
+  host.params["embed"]["embedding"][0, 0] += 1.0
+  with pytest.raises(ValueError, match="fingerprint"):
+    head.check_target(host)
 
 
 def run_with_head(target, head, prompts, gamma, temperature, max_new=12, seed=0):
