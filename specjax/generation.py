@@ -211,10 +211,16 @@ def with_rates(counts: dict[str, Any]) -> dict[str, Any]:
 
 
 def summarize_stats(state: decode_lib.DecodeState, gamma: int) -> dict[str, Any]:
-  s = jax.device_get(state.stats)
+  """The run's counters summed over rows, and every rate (`with_rates`)."""
+  return _summary(*jax.device_get((state.stats, state.target_calls, state.draft_steps)),
+                  gamma)
+
+
+def _summary(s, target_calls, draft_steps, gamma: int) -> dict[str, Any]:
+  """`summarize_stats` of values on the host (one transfer fetched them all)."""
   counts = {key: int(np.sum(getattr(s, key))) for key in
             ("rounds", "drafted", "accepted", "committed", "overlap_count")}
-  counts.update(rows=int(s.rounds.shape[0]), target_calls=int(state.target_calls),
+  counts.update(rows=int(s.rounds.shape[0]), target_calls=int(target_calls),
                 overlap_sum=float(np.sum(s.overlap_sum)),
                 accepted_at=[int(x) for x in np.sum(s.accepted_at, axis=0)],
                 verified_at=[int(x) for x in np.sum(s.verified_at, axis=0)],
@@ -222,8 +228,8 @@ def summarize_stats(state: decode_lib.DecodeState, gamma: int) -> dict[str, Any]
                 sibling_accepted=[int(x) for x in np.sum(s.sibling_accepted, axis=0)],
                 sibling_chance=[float(x) for x in np.sum(s.sibling_chance, axis=0)],
                 # Draft steps run (an adaptive loop may stop early); fixed: γ per round.
-                draft_steps=int(state.draft_steps) if state.draft_steps is not None
-                else gamma * int(state.target_calls),
+                draft_steps=int(draft_steps) if draft_steps is not None
+                else gamma * int(target_calls),
                 committed_hist=[int(x) for x in np.sum(s.committed_hist, axis=0)],
                 # Rounds by draft length 0..γ (fixed chains: all at γ; the n-gram drafter
                 # drafts 0 without a match; adaptive policies anything up to γ).
@@ -435,11 +441,14 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
     from specjax.models import sharding
     args = sharding.distribute(args, mesh)  # its run() returns the caller's rows, on the host
   state = args.run(seed_key(seed))
-  tokens, n, prompt_len = jax.device_get((state.tokens, state.n, state.prompt_len))
+  # One transfer for everything the caller gets (each separate fetch waits on its own).
+  tokens, n, prompt_len, *counters = jax.device_get(
+      (state.tokens, state.n, state.prompt_len, state.stats, state.target_calls,
+       state.draft_steps))
   new = [tokens[i, prompt_len[i]:n[i]].tolist() for i in range(len(n))]
   texts = None
   if target.tokenizer is not None:
     texts = [target.tokenizer.decode(t) for t in new]
-  stats = dict(summarize_stats(state, args.engine.gamma), lossless=args.engine.rule.lossless,
+  stats = dict(_summary(*counters, args.engine.gamma), lossless=args.engine.rule.lossless,
                gamma_policy=args.engine.policy.kind)
   return GenerateResult(tokens=new, stats=stats, texts=texts)

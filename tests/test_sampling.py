@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.processors.sampling import argmax, process_logits, sample
+from specjax.processors.sampling import Sampling, argmax, process_logits, sample
 
 LOGITS = jnp.log(jnp.array([0.05, 0.4, 0.1, 0.3, 0.15]))
 
@@ -94,6 +94,21 @@ class ProcessLogitsTest(chex.TestCase):
     probs = jnp.array([0.0, 0.5, 0.0, 0.5])
     draws = sample(jax.random.PRNGKey(0), jnp.broadcast_to(probs, (10000, 4)))
     self.assertEqual(set(np.unique(draws).tolist()), {1, 3})
+
+
+def test_create_shares_device_arrays_only_for_equal_settings():
+  a = Sampling.create(2, temperature=[0.5, 1.0], top_k=3, max_new=8)
+  assert Sampling.create(2, temperature=[0.5, 1.0], top_k=3, max_new=8) is a
+  for kwargs, field, want in ((dict(temperature=[0.7, 1.0], top_k=3, max_new=8), "temperature",
+                               [0.7, 1.0]),
+                              (dict(temperature=[0.5, 1.0], top_k=4, max_new=8), "top_k", [4, 4]),
+                              (dict(temperature=[0.5, 1.0], top_k=3, max_new=9), "max_new", [9, 9])):
+    b = Sampling.create(2, **kwargs)
+    np.testing.assert_allclose(getattr(b, field), want)
+    assert isinstance(b.temperature, jax.Array)
+  # A batch of 3 with the same values is another shape, not the cached batch of 2.
+  assert Sampling.create(3, temperature=0.5).temperature.shape == (3,)
+  assert Sampling.create(2, temperature=0.5).temperature.shape == (2,)
 
 
 class DeepCutTest(chex.TestCase):
