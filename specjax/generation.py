@@ -344,13 +344,14 @@ def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p
     sc = costs.step_costs(target, drafter_obj, draft_params, batch, longest,
                           temperature=float(np.max(temperature)), repeats=2)
     policy = dataclasses.replace(policy, draft_cost=sc["c"] / sc["v"])
+  tokens, prompt_len = jax.device_put(  # one transfer
+      (tokens, np.asarray([len(p) for p in prompts], np.int32)))
   return Prepared(
       engine=decode_lib.Engine(target=target.config, drafter=drafter_obj, rule=rule,
                                policy=policy),
       weights=decode_lib.Weights(target=target.params, draft=draft_params),
-      prompt_width=prompt_width, cache_size=cache_size, tokens=jax.device_put(tokens),
-      prompt_len=jax.device_put(np.asarray([len(p) for p in prompts], np.int32)),
-      sampling=sampling)
+      prompt_width=prompt_width, cache_size=cache_size, tokens=tokens,
+      prompt_len=prompt_len, sampling=sampling)
 
 
 def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.0, top_k=0,
