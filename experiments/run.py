@@ -194,7 +194,7 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
           (cfg.ngram_min, cfg.ngram_max), cfg.draft_sample, repeats=cfg.cost_rounds,
           temperature=point["temperature"], tree=tree)
     if point["gamma_policy"] == "ledger":  # this point's measured c and v
-      methods["draft_cost"] = step_costs[ckey]["c"] / step_costs[ckey]["v"]
+      methods["draft_cost"] = (step_costs[ckey]["c"], step_costs[ckey]["v"])
     if point["gamma_policy"] == "confidence":
       methods["draft_confidence"] = cfg.draft_confidence
     spec = dict(sampling, **methods, drafter=point["drafter"], ngram_min=cfg.ngram_min,

@@ -217,6 +217,13 @@ def _target_pass(engine: Engine, params, tokens, kv, empty=False, **layout):
 CPU_NARROW_PASS = True
 
 
+def narrows(engine: Engine, params, kv, width: int) -> bool:
+  """Whether a chain's verify pass of `width` tokens computes only the longest draft
+  (`_verify_pass`): where specjax's CPU kernels run the target's layers (static)."""
+  return (CPU_NARROW_PASS and engine.mesh is None and cpu_kernels.available()
+          and model_lib.runs_fused(model_lib.graphdef_for(engine.target), params, kv, width))
+
+
 def _verify_pass(engine: Engine, params, tokens, kv, lengths, done, **layout):
   """The chain's verify pass over tokens [B, γ+1]: logits [B, γ+1, V], kv, features.
 
@@ -229,11 +236,7 @@ def _verify_pass(engine: Engine, params, tokens, kv, lengths, done, **layout):
   draft tokens computed (int32), or None where every token is. A tree's pass (its
   `layout`, no lengths) computes every node.
   """
-  narrow = (CPU_NARROW_PASS and lengths is not None and engine.mesh is None
-            and cpu_kernels.available()
-            and model_lib.runs_fused(model_lib.graphdef_for(engine.target), params, kv,
-                                     tokens.shape[1]))
-  if not narrow:
+  if lengths is None or not narrows(engine, params, kv, tokens.shape[1]):
     return (*_target_pass(engine, params, tokens, kv, **layout), None)
   live = jnp.max(jnp.where(done, 0, lengths)) + 1
   logits, kv, features = _target_pass(engine, params, tokens, kv, live=live)
@@ -270,8 +273,12 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
 
   # 1. Draft (an adaptive γ policy lets each row stop early: `specjax.policies`).
   policy = engine.policy
+  # The ledger policy prices a narrowing pass by its width (static).
+  narrow = (policy.kind == "ledger" and tree is None
+            and narrows(engine, weights.target, state.target_kv, drafter.gamma + 1))
   ys, qs, draft_state, lengths, steps = policy.draft(
-      drafter, weights.draft, state, draft_key, sampling.replace(history=state.history))
+      drafter, weights.draft, state, draft_key, sampling.replace(history=state.history),
+      narrow)
   # 2. Verify pass: the pending token and the γ drafts (or every tree node), one call.
   pending = jnp.take_along_axis(state.tokens, (state.n - 1)[:, None], axis=1)
   layout = {} if tree is None else trees.verify_layout(tree, state.n)

@@ -170,13 +170,23 @@ def make_policy(kind, confidence, draft_cost, drafter) -> policies.GammaPolicy:
     raise ValueError(f"draft_confidence is for gamma_policy='confidence', got {kind!r}")
   if draft_cost is not None and kind != "ledger":
     raise ValueError(f"draft_cost is for gamma_policy='ledger', got {kind!r}")
+  number = lambda v: not isinstance(v, bool) and isinstance(v, (int, float, np.floating))
+  verify_cost = 0.0
+  if isinstance(draft_cost, (tuple, list)):  # measured (c, v(γ)), both in target steps
+    if len(draft_cost) != 2 or not all(number(v) for v in draft_cost):
+      raise ValueError(f"draft_cost must be c / v or the pair (c, v), got {draft_cost!r}")
+    c, verify_cost = (float(v) for v in draft_cost)
+    if not (np.isfinite(verify_cost) and verify_cost > 0):
+      raise ValueError(f"draft_cost's v (the verify pass, in target steps) must be a "
+                       f"finite number > 0, got {draft_cost!r}")
+    draft_cost = c / verify_cost
   for name, value in (("draft_confidence", confidence), ("draft_cost", draft_cost)):
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+    if value is not None and not number(value):
       raise ValueError(f"{name} must be a number, got {value!r}")
   return policies.GammaPolicy(
       kind=kind, confidence=float(0.4 if confidence is None and kind == "confidence"
                                   else confidence or 0.0),
-      draft_cost=float(draft_cost or 0.0))
+      draft_cost=float(draft_cost or 0.0), verify_cost=verify_cost)
 
 
 COUNTERS = ("rows", "rounds", "target_calls", "drafted", "accepted", "committed",
@@ -339,11 +349,11 @@ def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p
     draft_params = draft.draft_params(target, check=False)  # checked in make_drafter
   else:
     draft_params = draft.params if isinstance(drafter_obj, drafters_lib.ModelDrafter) else None
-  if policy.kind == "ledger" and draft_cost is None:  # measure c / v once, here
+  if policy.kind == "ledger" and draft_cost is None:  # measure c and v once, here
     from specjax import costs
     sc = costs.step_costs(target, drafter_obj, draft_params, batch, longest,
                           temperature=float(np.max(temperature)), repeats=2)
-    policy = dataclasses.replace(policy, draft_cost=sc["c"] / sc["v"])
+    policy = dataclasses.replace(policy, draft_cost=sc["c"] / sc["v"], verify_cost=sc["v"])
   tokens, prompt_len = jax.device_put(  # one transfer
       (tokens, np.asarray([len(p) for p in prompts], np.int32)))
   return Prepared(
@@ -363,7 +373,8 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
              rule_params: dict | None = None, repetition_penalty=1.0, presence_penalty=0.0,
              frequency_penalty=0.0, no_repeat_ngram_size=0, min_new_tokens=0,
              logit_bias=None, constraint=None, gamma_policy: str = "fixed",
-             draft_confidence: float | None = None, draft_cost: float | None = None,
+             draft_confidence: float | None = None,
+             draft_cost: float | tuple[float, float] | None = None,
              mesh=None) -> GenerateResult:
   """Generates up to `max_new_tokens` new tokens for each prompt.
 
@@ -418,7 +429,9 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
       all lossless): 'fixed' (γ), 'heuristic' (+2 after a fully accepted round, -1
       otherwise), 'confidence' (stop after a draft token whose top probability is below
       `draft_confidence`, default 0.4), 'ledger' (the length maximising E(α̂, L) /
-      (L·c + v) for the row's running α̂; `draft_cost` = c / v, measured if None).
+      (L·c + v) for the row's running α̂; `draft_cost` = c / v, or the pair (c, v(γ))
+      in target steps, which on a CPU also prices the pass by the drafts it computes;
+      measured (the pair) if None).
     mesh: a jax Mesh with axes ('data', 'model') (`jax.make_mesh((dp, tp), ('data',
       'model'))`) to run on several devices (`specjax.models.sharding`): the target split over
       'model' (pass `specjax.shard(target, mesh)` to place it once, not every call), the

@@ -14,9 +14,11 @@ policy is therefore as lossless as the rule it runs with.
                 (transformers' `assistant_confidence_threshold`).
   'ledger'      each row's running α̂ (its verified Σ min(p, q), shrunk toward a prior)
                 picks L = argmax_L E(α̂, L) / (L·c + v): c and v are one draft token's
-                and the verify pass's cost, `draft_cost` = c / v. (On a CPU the pass
-                then computes only max L + 1 tokens, `decode._verify_pass`, which this
-                price leaves out: it errs towards longer drafts.)
+                and the verify pass's cost, `draft_cost` = c / v. Where the pass computes
+                only the longest draft (a CPU, `decode._verify_pass`) and v(γ) is known
+                (`verify_cost`, measured by `generate`), a round is priced
+                L·c + 1 + L·(v(γ) - 1)/γ in 1-token steps instead: the line from v(0) = 1
+                to v(γ) that `ledger.by_length` uses, so a row with a low α̂ drafts short.
 
 Under 'fixed', a drafter that sizes its own drafts (`sizes_drafts`: the n-gram drafter,
 which drafts nothing without a match) gives each row its own length all the same.
@@ -42,6 +44,7 @@ class GammaPolicy:
   kind: str = "fixed"
   confidence: float = 0.0  # 'confidence': stop below this draft top probability
   draft_cost: float = 0.0  # 'ledger': c / v, one draft token relative to the verify pass
+  verify_cost: float = 0.0  # 'ledger': v(γ) in 1-token target steps (0: not known)
   # 'ledger': α̂ = (Σ overlap + prior_alpha · prior_weight) / (verified + prior_weight)
   prior_alpha: float = 0.6
   prior_weight: float = 4.0
@@ -56,6 +59,9 @@ class GammaPolicy:
     if not (np.isfinite(self.draft_cost) and self.draft_cost >= 0.0):
       raise ValueError(f"draft_cost (c / v) must be a finite number >= 0, "
                        f"got {self.draft_cost!r}")
+    if not (np.isfinite(self.verify_cost) and self.verify_cost >= 0.0):
+      raise ValueError(f"verify_cost (v, the verify pass in target steps) must be a "
+                       f"finite number >= 0 (0: not known), got {self.verify_cost!r}")
     if not 0.0 < self.prior_alpha < 1.0 or not self.prior_weight > 0:
       raise ValueError("prior_alpha must be in (0, 1) and prior_weight > 0")
 
@@ -67,13 +73,17 @@ class GammaPolicy:
     """The heuristic's starting length (the others ignore it)."""
     return jnp.full((batch,), gamma, jnp.int32)
 
-  def limits(self, draft_len, stats, gamma: int) -> jax.Array:
-    """int32[B] in [1, γ]: the most each row may draft this round."""
+  def limits(self, draft_len, stats, gamma: int, narrow: bool = False) -> jax.Array:
+    """int32[B] in [1, γ]: the most each row may draft this round. narrow (static): the
+    verify pass computes only the longest draft (`decode.narrows`)."""
     if self.kind == "heuristic":
       return jnp.clip(draft_len, 1, gamma)
     if self.kind == "ledger":
       alpha = ((stats.overlap_sum + self.prior_alpha * self.prior_weight)
                / (stats.overlap_count + self.prior_weight))
+      if narrow and self.verify_cost > 0:  # in 1-token steps: c, and the pass's slope
+        return ledger_length(alpha, gamma, self.draft_cost * self.verify_cost,
+                             max(self.verify_cost - 1.0, 0.0) / gamma)
       return ledger_length(alpha, gamma, self.draft_cost)
     return jnp.full_like(draft_len, gamma)
 
@@ -87,11 +97,11 @@ class GammaPolicy:
       return {}
     return dict(draft_len=self.first(batch, gamma), draft_steps=jnp.zeros((), jnp.int32))
 
-  def draft(self, drafter, params, state, key, sampling):
+  def draft(self, drafter, params, state, key, sampling, narrow: bool = False):
     """(ys, qs, draft_state, lengths, steps) for DecodeState `state`: every row drafts γ
     under 'fixed' (lengths and steps None), or its own length where the drafter sizes
     its drafts (`sizes_drafts`: the n-gram drafter drafts nothing without a match; a
-    finished row, nothing); else up to its limit (`propose_upto`)."""
+    finished row, nothing); else up to its limit (`propose_upto`). narrow: as `limits`."""
     if not self.adaptive:
       if getattr(drafter, "sizes_drafts", False):
         ys, qs, draft_state, lengths = drafter.propose_sized(
@@ -100,7 +110,8 @@ class GammaPolicy:
       ys, qs, draft_state = drafter.propose(params, state.draft_state, state.tokens, state.n,
                                             key, sampling)
       return ys, qs, draft_state, None, None
-    limit = jnp.where(state.done, 0, self.limits(state.draft_len, state.stats, drafter.gamma))
+    limit = jnp.where(state.done, 0,
+                      self.limits(state.draft_len, state.stats, drafter.gamma, narrow))
     return propose_upto(drafter, params, state.draft_state, state.tokens, state.n, key,
                         sampling, limit, self.confidence)
 
@@ -128,12 +139,14 @@ class GammaPolicy:
     return jnp.clip(grown, 1, gamma).astype(jnp.int32)
 
 
-def ledger_length(alpha, gamma: int, draft_cost) -> jax.Array:
-  """argmax over L in 1..γ of E(α, L) / (L·draft_cost + 1), per row."""
+def ledger_length(alpha, gamma: int, draft_cost, pass_slope=0.0) -> jax.Array:
+  """argmax over L in 1..γ of E(α, L) / (L·(draft_cost + pass_slope) + 1), per row: the
+  round's cost relative to a verify pass of no draft, which grows by pass_slope a token."""
   a = jnp.clip(alpha, 0.0, 0.999)[:, None]
   lengths = jnp.arange(1, gamma + 1, dtype=jnp.float32)[None, :]
   expected = (1.0 - a ** (lengths + 1)) / (1.0 - a)  # accepted + the correction/bonus
-  return (jnp.argmax(expected / (lengths * draft_cost + 1.0), axis=1) + 1).astype(jnp.int32)
+  cost = lengths * (draft_cost + pass_slope) + 1.0
+  return (jnp.argmax(expected / cost, axis=1) + 1).astype(jnp.int32)
 
 
 def propose_upto(drafter, params, state, tokens, n, key, sampling, limit, confidence):

@@ -2,6 +2,7 @@
 an early-ending draft loop, and the pieces (cut, schedule, ledger choice) by table."""
 
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,7 @@ import pytest
 import specjax
 from specjax import decode as decode_lib
 from specjax import policies
+from specjax.models import cpu_kernels
 from specjax.generation import prepare
 from specjax.processors.sampling import Sampling
 from conftest import PROMPTS, exact_continuations, greedy_oracle, target_and_draft, tiny_model
@@ -19,6 +21,8 @@ SETTINGS = {  # each policy set so that rows really draft fewer than γ tokens
     "heuristic": {},
     "confidence": dict(draft_confidence=0.36),  # about the median top probability
     "ledger": dict(draft_cost=0.5),  # prior α 0.6: L = 1 until a row shows better
+    # Measured costs as a pair: a pass growing by 0.5 of a step a token, on a CPU.
+    "ledger_pair": dict(draft_cost=(0.1, 3.0)),
 }
 
 
@@ -29,16 +33,17 @@ def greedy_pair():
 
 
 @pytest.mark.parametrize("policy,drafter", [
-    ("heuristic", "model"), ("confidence", "model"), ("ledger", "ngram")])
+    ("heuristic", "model"), ("confidence", "model"), ("ledger", "ngram"),
+    ("ledger_pair", "model")])
 def test_greedy_equals_target_greedy(policy, drafter):
   target, draft = greedy_pair()
   kw = dict(drafter="ngram") if drafter == "ngram" else dict(draft=draft)
-  res = specjax.generate(target, PROMPTS, max_new_tokens=12, gamma=4, gamma_policy=policy,
-                         **kw, **SETTINGS[policy])
+  res = specjax.generate(target, PROMPTS, max_new_tokens=12, gamma=4,
+                         gamma_policy=policy.split("_")[0], **kw, **SETTINGS[policy])
   for prompt, out in zip(PROMPTS, res.tokens):
     assert out == greedy_oracle(target, prompt, 12)
   s = res.stats
-  assert s["lossless"] and s["gamma_policy"] == policy
+  assert s["lossless"] and s["gamma_policy"] == policy.split("_")[0]
   assert s["drafted"] < 4 * s["rounds"]  # some rows drafted fewer than γ
   assert sum(s["verified_at"]) == s["overlap_count"] and s["accepted"] <= s["drafted"]
 
@@ -140,6 +145,51 @@ def test_heuristic_schedule_and_ledger_choice():
   # A cheap draft and a good row draft long; an expensive draft short.
   assert policies.ledger_length(jnp.asarray([0.95]), 6, 0.01)[0] == 6
   assert policies.ledger_length(jnp.asarray([0.3]), 6, 1.0)[0] == 1
+  # A pass that grows with the draft: the cost per token is c + its slope.
+  for slope in (0.1, 0.3):
+    got = np.asarray(policies.ledger_length(jnp.asarray(alpha, jnp.float32), 6, 0.02, slope))
+    want = [ls[np.argmax((1 - a ** (ls + 1)) / (1 - a) / (ls * (0.02 + slope) + 1))]
+            for a in alpha]
+    np.testing.assert_array_equal(got, want)
+
+
+def test_ledger_prices_a_narrowing_pass_by_its_width():
+  # v(4) = 2 (slope 0.25 a token), c = 0.02: a row with α̂ 0.3 drafts 1 token where the
+  # pass narrows to its drafts, and 3 where every pass costs v(4) whatever it drafted.
+  policy = policies.GammaPolicy("ledger", draft_cost=0.01, verify_cost=2.0)
+  stats = decode_lib.Stats.zeros(2, 5)
+  stats = stats.replace(overlap_sum=jnp.asarray([30.0, 95.0]),
+                        overlap_count=jnp.asarray([100, 100]))
+  draft_len = jnp.full((2,), 4, jnp.int32)
+  alpha = (np.array([30.0, 95.0]) + 0.6 * 4) / 104
+  for narrow, c, slope in ((True, 0.02, 0.25), (False, 0.01, 0.0)):
+    got = np.asarray(policy.limits(draft_len, stats, 4, narrow))
+    ls = np.arange(1, 5)
+    want = [ls[np.argmax((1 - a ** (ls + 1)) / (1 - a) / (ls * (c + slope) + 1))] for a in alpha]
+    np.testing.assert_array_equal(got, want)
+  assert policy.limits(draft_len, stats, 4, True)[0] == 1
+  assert policy.limits(draft_len, stats, 4, False)[0] == 3
+  # v unknown (a number given as draft_cost): the fixed-width price either way.
+  plain = policies.GammaPolicy("ledger", draft_cost=0.01)
+  np.testing.assert_array_equal(plain.limits(draft_len, stats, 4, True),
+                                plain.limits(draft_len, stats, 4, False))
+  # End to end on Llama-shaped models (the CPU kernels narrow their pass): with a pass
+  # growing by half a step a token the rows draft 1 token; priced as a fixed-width pass
+  # (the same c / v as a number), more. Both give the target's greedy tokens.
+  target = tiny_model(vocab=16, n_layers=2, seed=3, llama=True)
+  draft = tiny_model(vocab=16, d_model=16, n_layers=1, seed=5, llama=True)
+  kw = dict(max_new_tokens=10, gamma=4, draft=draft, gamma_policy="ledger")
+  by_width = specjax.generate(target, PROMPTS[:2], draft_cost=(0.1, 3.0), **kw)
+  fixed_width = specjax.generate(target, PROMPTS[:2], draft_cost=0.1 / 3.0, **kw)
+  want = [greedy_oracle(target, p, 10) for p in PROMPTS[:2]]
+  assert by_width.tokens == want and fixed_width.tokens == want
+  if decode_lib.CPU_NARROW_PASS and cpu_kernels.available():
+    assert by_width.stats["drafted"] == by_width.stats["rounds"]
+    assert fixed_width.stats["drafted"] > fixed_width.stats["rounds"]
+  # generate's draft_cost=(c, v) sets both.
+  from specjax.generation import make_policy
+  drafter = types.SimpleNamespace(gamma=4, tree=None)
+  assert make_policy("ledger", None, (0.02, 2.0), drafter) == policy
 
 
 def test_stats_without_policy_are_unchanged():
@@ -163,6 +213,9 @@ def test_stats_without_policy_are_unchanged():
     (dict(gamma_policy="heuristic", draft_confidence=0.5), "draft_confidence is for"),
     (dict(gamma_policy="ledger", draft_cost=-1.0), "draft_cost"),
     (dict(gamma_policy="ledger", draft_cost=float("nan")), "draft_cost"),
+    (dict(gamma_policy="ledger", draft_cost=(0.1, 0.0)), "v \\(the verify pass"),
+    (dict(gamma_policy="ledger", draft_cost=(0.1, 2.0, 3.0)), "pair"),
+    (dict(gamma_policy="ledger", draft_cost=(-0.1, 2.0)), "draft_cost"),
     (dict(gamma_policy="fixed", draft_cost=0.2), "draft_cost is for"),
     (dict(gamma_policy="heuristic", tree=(2, 1)), "tree"),
     (dict(gamma_policy="confidence", drafter="ngram"), "token by token"),
