@@ -136,3 +136,24 @@ def test_tree_axis_follows_the_first_drafter(drafters, want):
   assert run_lib._tree_drafter(cfg) == want
   cfg.trees = ()
   assert run_lib._tree_drafter(cfg) is None
+
+
+def test_ab_calls_compares_lossless_variants_against_target_only():
+  from conftest import greedy_oracle
+  from experiments import ab_calls
+  target = tiny_model(vocab=16, n_layers=2, seed=3, llama=True)
+  prompts = [[1, 2, 3, 1, 2], [4, 5, 4, 5, 4, 5]]
+  out = ab_calls.compare(
+      target, prompts, dict(max_new_tokens=6, temperature=0.0),
+      {"fixed": dict(drafter="ngram", gamma=3),
+       "ledger": dict(drafter="ngram", gamma=3, gamma_policy="ledger",
+                      draft_cost=(0.05, 1.5))}, rounds=1)
+  assert list(out) == ["target-only", "fixed", "ledger"]
+  want = [greedy_oracle(target, p, 6) for p in prompts]
+  for name, row in out.items():
+    assert row["tokens"] == want  # every side is lossless: the target's greedy tokens
+    assert row["call_s"] > 0 and row["speedup"]["q1"] <= row["speedup"]["q3"]
+  assert out["target-only"]["tokens_per_round"] == 1.0
+  assert out["target-only"]["drafted_per_round"] == 0.0
+  assert out["fixed"]["tokens_per_round"] > 1.0  # the repeating prompts match
+  assert "against_first" in out["ledger"] and "against_first" not in out["fixed"]
