@@ -273,9 +273,10 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
 
   # 1. Draft (an adaptive γ policy lets each row stop early: `specjax.policies`).
   policy = engine.policy
-  # The ledger policy prices a narrowing pass by its width (static).
-  narrow = (policy.kind == "ledger" and tree is None
-            and narrows(engine, weights.target, state.target_kv, drafter.gamma + 1))
+  # Whether step 2's pass will compute only the longest draft (static): a policy may
+  # price a round by its width.
+  narrow = tree is None and narrows(engine, weights.target, state.target_kv,
+                                    drafter.gamma + 1)
   ys, qs, draft_state, lengths, steps = policy.draft(
       drafter, weights.draft, state, draft_key, sampling.replace(history=state.history),
       narrow)

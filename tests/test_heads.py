@@ -290,6 +290,18 @@ def test_head_for_another_target_is_refused(target):
     head.check_target(host)
 
 
+def test_fingerprint_memory_keeps_no_target_alive():
+  import gc
+  import weakref
+  other = tiny_model(vocab=V, d_model=D, n_layers=2, llama=True, seed=11)
+  first = heads_lib.target_fingerprint(other.config, other.params)
+  assert heads_lib.target_fingerprint(other.config, other.params) == first
+  embedding = weakref.ref(other.params["embed"]["embedding"])
+  del other
+  gc.collect()
+  assert embedding() is None
+
+
 def run_with_head(target, head, prompts, gamma, temperature, max_new=12, seed=0):
   """The engine's own decode loop with the head as the draft (`draft=head`)."""
   from specjax import generation

@@ -32,6 +32,7 @@ import hashlib
 import io
 import json
 import os
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -209,8 +210,11 @@ def target_fingerprint(config: ModelConfig, params) -> str:
   # skips the ~2 ms of hashing after its first call (numpy leaves could change in place).
   key = tuple(id(leaf) for leaf in leaves)
   immutable = all(isinstance(leaf, jax.Array) for leaf in leaves)
-  if immutable and key in _FINGERPRINTS:
-    return _FINGERPRINTS[key][1]
+  hit = _FINGERPRINTS.get(key) if immutable else None
+  # Weak references: the same objects, still alive (an id can be reused once one dies),
+  # and a dropped target's weights are not kept alive here.
+  if hit is not None and all(ref() is leaf for ref, leaf in zip(hit[0], leaves)):
+    return hit[1]
   h = hashlib.sha256()
   for path, leaf in flat:
     arr = np.asarray(jax.device_get(leaf), np.float32).astype(jnp.bfloat16)
@@ -218,14 +222,14 @@ def target_fingerprint(config: ModelConfig, params) -> str:
     h.update(arr.view(np.uint16).tobytes())
   digest = h.hexdigest()[:20]
   if immutable:
-    # The leaves are kept with their digest, so no id in the key is reused while it lives.
-    _FINGERPRINTS[key] = (leaves, digest)
+    _FINGERPRINTS.pop(key, None)
+    _FINGERPRINTS[key] = ([weakref.ref(leaf) for leaf in leaves], digest)
     while len(_FINGERPRINTS) > 4:
       _FINGERPRINTS.pop(next(iter(_FINGERPRINTS)))
   return digest
 
 
-_FINGERPRINTS: dict = {}  # leaf ids -> (leaves, digest), the most recent last
+_FINGERPRINTS: dict = {}  # leaf ids -> (weak references to the leaves, digest)
 
 
 class Head:
