@@ -14,14 +14,10 @@ gets the pair (c, v(γ)) measured once here (`costs.step_costs`), not in every c
 from __future__ import annotations
 
 import json
-import statistics
-import time
 
-import numpy as np
 from absl import app
 from absl import flags
 
-import specjax
 from experiments import common
 from specjax import costs
 
@@ -40,46 +36,6 @@ _NEW = flags.DEFINE_integer("max_new_tokens", 64, "New tokens per call.")
 _OUT = flags.DEFINE_string("out", None, "Write the results as JSON here.")
 
 DEFAULT_DRAFTS = {"model": "stdlib-draft", "eagle": "stdlib-eagle", "medusa": "stdlib-medusa"}
-
-
-def _quartiles(values) -> dict:
-  return {"median": statistics.median(values), "q1": float(np.percentile(values, 25)),
-          "q3": float(np.percentile(values, 75))}
-
-
-def compare(target, prompts, base: dict, variants: dict[str, dict], rounds: int) -> dict:
-  """Target-only (`base`) and each variant (`base` + its arguments), interleaved.
-
-  Returns {side: {call_s, speedup (quartiles of target-only / side), tokens_per_round,
-  drafted_per_round, tokens (the new tokens of each prompt)}} and, for each variant
-  after the first, its quartiles of first / it under 'against_first'.
-  """
-  sides = {"target-only": dict(base), **{k: dict(base, **v) for k, v in variants.items()}}
-  call = lambda kw, i: specjax.generate(target, [prompts[i]], seed=i, **kw)
-  out = {}
-  for name, kw in sides.items():  # compiles, and the counts (a call is deterministic)
-    results = [call(kw, i) for i in range(len(prompts))]
-    rounds_run = sum(r.stats["rounds"] for r in results)
-    out[name] = {"tokens": [r.tokens[0] for r in results],
-                 "tokens_per_round": sum(r.stats["committed"] for r in results) / rounds_run,
-                 "drafted_per_round": sum(r.stats["drafted"] for r in results) / rounds_run}
-  times = {name: [] for name in sides}
-  names = list(sides)
-  for r in range(max(rounds, 1)):
-    for i in range(len(prompts)):
-      for name in (names if (r + i) % 2 == 0 else names[::-1]):
-        start = time.perf_counter()
-        call(sides[name], i)  # generate returns host lists: the call has finished
-        times[name].append(time.perf_counter() - start)
-  for name in sides:
-    out[name]["call_s"] = statistics.median(times[name])
-    out[name]["speedup"] = _quartiles([b / t for b, t in zip(times["target-only"],
-                                                               times[name])])
-  first = names[1] if len(names) > 1 else None
-  for name in names[2:]:
-    out[name]["against_first"] = _quartiles([a / t for a, t in zip(times[first],
-                                                                     times[name])])
-  return out
 
 
 def main(argv):
@@ -105,7 +61,7 @@ def main(argv):
         measured = (sc["c"], sc["v"])
         print(f"measured c {measured[0]:.3f}, v({_GAMMA.value}) {measured[1]:.2f}")
       kw["draft_cost"] = measured
-  out = compare(target, prompts, base, variants, _ROUNDS.value)
+  out = common.compare_calls(target, prompts, base, variants, _ROUNDS.value)
   fmt = lambda q: f"{q['median']:.3f}x ({q['q1']:.3f}–{q['q3']:.3f})"
   print("| side | call (ms) | speedup (quartiles) | tokens/round | drafted/round | against "
         "the first variant |\n|---|---|---|---|---|---|")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -148,3 +149,46 @@ def markdown_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str
       cells.append(text)
     lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines)
+
+
+def _quartiles(values) -> dict:
+  return {"median": statistics.median(values), "q1": float(np.percentile(values, 25)),
+          "q3": float(np.percentile(values, 75))}
+
+
+def compare_calls(target, prompts, base: dict, variants: dict[str, dict],
+                  rounds: int) -> dict:
+  """Whole `generate` calls of target-only (`base`) and each variant (`base` + its
+  arguments), one prompt a call, each round over the prompts in an order that flips
+  from prompt to prompt (`experiments.ab_calls`).
+
+  Returns {side: {call_s, speedup (quartiles of target-only / side), tokens_per_round,
+  drafted_per_round, tokens (the new tokens of each prompt)}} and, for each variant
+  after the first, its quartiles of first / it under 'against_first'.
+  """
+  sides = {"target-only": dict(base), **{k: dict(base, **v) for k, v in variants.items()}}
+  call = lambda kw, i: specjax.generate(target, [prompts[i]], seed=i, **kw)
+  out = {}
+  for name, kw in sides.items():  # compiles, and the counts (a call is deterministic)
+    results = [call(kw, i) for i in range(len(prompts))]
+    rounds_run = sum(r.stats["rounds"] for r in results)
+    out[name] = {"tokens": [r.tokens[0] for r in results],
+                 "tokens_per_round": sum(r.stats["committed"] for r in results) / rounds_run,
+                 "drafted_per_round": sum(r.stats["drafted"] for r in results) / rounds_run}
+  times = {name: [] for name in sides}
+  names = list(sides)
+  for r in range(max(rounds, 1)):
+    for i in range(len(prompts)):
+      for name in (names if (r + i) % 2 == 0 else names[::-1]):
+        start = time.perf_counter()
+        call(sides[name], i)  # generate returns host lists: the call has finished
+        times[name].append(time.perf_counter() - start)
+  for name in sides:
+    out[name]["call_s"] = statistics.median(times[name])
+    out[name]["speedup"] = _quartiles([b / t for b, t in zip(times["target-only"],
+                                                               times[name])])
+  first = names[1] if len(names) > 1 else None
+  for name in names[2:]:
+    out[name]["against_first"] = _quartiles([a / t for a, t in zip(times[first],
+                                                                     times[name])])
+  return out

@@ -140,10 +140,10 @@ def test_tree_axis_follows_the_first_drafter(drafters, want):
 
 def test_ab_calls_compares_lossless_variants_against_target_only():
   from conftest import greedy_oracle
-  from experiments import ab_calls
+  from experiments import common
   target = tiny_model(vocab=16, n_layers=2, seed=3, llama=True)
   prompts = [[1, 2, 3, 1, 2], [4, 5, 4, 5, 4, 5]]
-  out = ab_calls.compare(
+  out = common.compare_calls(
       target, prompts, dict(max_new_tokens=6, temperature=0.0),
       {"fixed": dict(drafter="ngram", gamma=3),
        "ledger": dict(drafter="ngram", gamma=3, gamma_policy="ledger",
