@@ -285,8 +285,7 @@ def call_timer(target, prompts, kwargs: dict) -> Callable[[int], tuple[float, in
     start = time.perf_counter()
     args = _prepare(target, prompts, kwargs)
     state = args.run(jax.random.PRNGKey(0), rounds)
-    jax.device_get((state.tokens, state.n, state.prompt_len))  # what generate fetches
-    generation.summarize_stats(state, args.engine.gamma)
+    generation.fetch(state, args.engine.gamma)  # what generate fetches
     # Fewer rounds than asked when every row is done first (EOS, a stop sequence).
     return time.perf_counter() - start, int(state.target_calls)
 

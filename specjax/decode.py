@@ -224,7 +224,7 @@ def narrows(engine: Engine, params, kv, width: int) -> bool:
           and model_lib.runs_fused(model_lib.graphdef_for(engine.target), params, kv, width))
 
 
-def _verify_pass(engine: Engine, params, tokens, kv, lengths, done, **layout):
+def _verify_pass(engine: Engine, params, tokens, kv, lengths, done, narrow, **layout):
   """The chain's verify pass over tokens [B, γ+1]: logits [B, γ+1, V], kv, features.
 
   With draft lengths (int32[B]), only each row's first max(lengths) + 1 tokens are
@@ -233,10 +233,11 @@ def _verify_pass(engine: Engine, params, tokens, kv, lengths, done, **layout):
   adaptive policy, an n-gram row without a match, finished rows) costs less. The rule
   reads no position past a row's length (`policies.cut`); the logits and features
   past the longest repeat its last position (a point mass stays one). Also returns the
-  draft tokens computed (int32), or None where every token is. A tree's pass (its
-  `layout`, no lengths) computes every node.
+  draft tokens computed (int32), or None where every token is. narrow: `narrows` of
+  this pass (decode_round's, decided once). A tree's pass (its `layout`, no lengths)
+  computes every node.
   """
-  if lengths is None or not narrows(engine, params, kv, tokens.shape[1]):
+  if lengths is None or not narrow:
     return (*_target_pass(engine, params, tokens, kv, **layout), None)
   live = jnp.max(jnp.where(done, 0, lengths)) + 1
   logits, kv, features = _target_pass(engine, params, tokens, kv, live=live)
@@ -285,7 +286,7 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
   layout = {} if tree is None else trees.verify_layout(tree, state.n)
   logits, target_kv, features, width = _verify_pass(
       engine, weights.target, jnp.concatenate([pending, ys], axis=1), state.target_kv,
-      lengths, state.done, **layout)
+      lengths, state.done, narrow, **layout)
   # Position i is processed with the history of the committed prefix + y_1..y_{i-1};
   # a tree node with the committed prefix + the tokens on its root-to-node path.
   prefixes = (_per_prefix(sampling, state.history, ys) if tree is None

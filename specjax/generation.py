@@ -226,6 +226,15 @@ def summarize_stats(state: decode_lib.DecodeState, gamma: int) -> dict[str, Any]
                   gamma)
 
 
+def fetch(state: decode_lib.DecodeState, gamma: int):
+  """(tokens, n, prompt_len, `summarize_stats`) on the host, in one transfer (each
+  separate fetch waits on its own)."""
+  tokens, n, prompt_len, *counters = jax.device_get(
+      (state.tokens, state.n, state.prompt_len, state.stats, state.target_calls,
+       state.draft_steps))
+  return tokens, n, prompt_len, _summary(*counters, gamma)
+
+
 def _summary(s, target_calls, draft_steps, gamma: int) -> dict[str, Any]:
   """`summarize_stats` of values on the host (one transfer fetched them all)."""
   counts = {key: int(np.sum(getattr(s, key))) for key in
@@ -455,14 +464,11 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
     from specjax.models import sharding
     args = sharding.distribute(args, mesh)  # its run() returns the caller's rows, on the host
   state = args.run(seed_key(seed))
-  # One transfer for everything the caller gets (each separate fetch waits on its own).
-  tokens, n, prompt_len, *counters = jax.device_get(
-      (state.tokens, state.n, state.prompt_len, state.stats, state.target_calls,
-       state.draft_steps))
+  tokens, n, prompt_len, stats = fetch(state, args.engine.gamma)
   new = [tokens[i, prompt_len[i]:n[i]].tolist() for i in range(len(n))]
   texts = None
   if target.tokenizer is not None:
     texts = [target.tokenizer.decode(t) for t in new]
-  stats = dict(_summary(*counters, args.engine.gamma), lossless=args.engine.rule.lossless,
+  stats = dict(stats, lossless=args.engine.rule.lossless,
                gamma_policy=args.engine.policy.kind)
   return GenerateResult(tokens=new, stats=stats, texts=texts)

@@ -152,7 +152,7 @@ def test_ab_calls_compares_lossless_variants_against_target_only():
   want = [greedy_oracle(target, p, 6) for p in prompts]
   for name, row in out.items():
     assert row["tokens"] == want  # every side is lossless: the target's greedy tokens
-    assert row["call_s"] > 0 and row["speedup"]["q1"] <= row["speedup"]["q3"]
+    assert row["call_s"] > 0
   assert out["target-only"]["tokens_per_round"] == 1.0
   assert out["target-only"]["drafted_per_round"] == 0.0
   assert out["fixed"]["tokens_per_round"] > 1.0  # the repeating prompts match
