@@ -5,6 +5,7 @@ r"""Where the time of a cached forward goes, per op, for T new tokens; and v(γ)
   python -m experiments.profile_forward --rowwise_max_rows=0   # row by row off (projections, attention)
   python -m experiments.profile_forward --rounds=none,ngram,model   # + decode rounds, kernels on / off
   python -m experiments.profile_forward --off=fused --rounds=none,ngram,model  # fused layer calls on / off
+  python -m experiments.profile_forward --off=bf16 --rounds=none,ngram,model   # bfloat16 panels on / off
   python -m experiments.profile_forward --trace=false --ops=false --max_gamma=4 --live_gamma=4  # narrowed passes
 
 Three tables, each from paired, interleaved timing (the machine is shared: nothing here
@@ -28,7 +29,7 @@ min and max):
    a round whose longest draft is L runs it on a CPU), L = 0..γ, and the whole
    (L+1)-token pass, each paired with a 1-token step.
 5. With --rounds: whole decode rounds (`costs.round_timer`: draft, verify, commit;
-   γ = 4, T = 0) of each listed drafter, the kernels on against off, paired.
+   γ = 4, T = 0) of each listed drafter, --off's choice on against off, paired.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from specjax import costs  # noqa: E402
+from specjax import decode as decode_lib  # noqa: E402
 from specjax.models import cpu_kernels  # noqa: E402
 from specjax.models import kv_cache  # noqa: E402
 from specjax.models import model as model_lib  # noqa: E402
@@ -70,14 +72,16 @@ _TRACE = flags.DEFINE_bool("trace", True, "Print the in-situ per-op table (jax.p
 _OPS = flags.DEFINE_bool("ops", True, "Print the per-op table of pieces timed alone.")
 _COMPARE = flags.DEFINE_bool("compare", True, "Pair every pass with the same pass with "
                              "--off turned off.")
-_OFF = flags.DEFINE_enum("off", "kernels", ["kernels", "rowwise", "fused"], "What "
+_OFF = flags.DEFINE_enum("off", "kernels", ["kernels", "rowwise", "fused", "bf16"], "What "
                          "--compare and --rounds turn off: kernels = specjax's few-row CPU "
                          "kernels (cpu_kernels.ENABLED = False: the row-by-row XLA products "
                          "of before); rowwise = both, and row by row "
                          "(model.CPU_ROWWISE_MAX_ROWS = 0: XLA's own products with the rows "
                          "together); fused = only the fused layer calls (model."
                          "CPU_FUSED_LAYERS = False: a kernel per product and per "
-                         "attention, XLA's norms, RoPE, SwiGLU, residuals and KV writes).")
+                         "attention, XLA's norms, RoPE, SwiGLU, residuals and KV writes); "
+                         "bf16 = bfloat16 panels (cpu_kernels.BF16_PANELS = False: float32 "
+                         "panels for bfloat16-valued weights).")
 _ROWWISE = flags.DEFINE_integer("rowwise_max_rows", None, "Override "
                                 "model.CPU_ROWWISE_MAX_ROWS for everything timed.")
 _ROUNDS = flags.DEFINE_list("rounds", [], "Drafters (none, ngram, model) whose decode "
@@ -90,18 +94,21 @@ _FLOOR = flags.DEFINE_integer("floor_tokens", 64, "Also time a pass of this many
 
 
 @contextlib.contextmanager
-def rowwise_max(rows: int, kernels: bool = True, fused: bool = True):
+def rowwise_max(rows: int, kernels: bool = True, fused: bool = True, bf16: bool = True):
   """Traces inside the block use `model.CPU_ROWWISE_MAX_ROWS = rows`,
-  `cpu_kernels.ENABLED = kernels` and `model.CPU_FUSED_LAYERS = fused` (timers lay out
-  and compile here)."""
-  saved = model_lib.CPU_ROWWISE_MAX_ROWS, cpu_kernels.ENABLED, model_lib.CPU_FUSED_LAYERS
+  `cpu_kernels.ENABLED = kernels`, `model.CPU_FUSED_LAYERS = fused` and
+  `cpu_kernels.BF16_PANELS = bf16` (timers lay out and compile here)."""
+  saved = (model_lib.CPU_ROWWISE_MAX_ROWS, cpu_kernels.ENABLED, model_lib.CPU_FUSED_LAYERS,
+           cpu_kernels.BF16_PANELS)
   model_lib.CPU_ROWWISE_MAX_ROWS, cpu_kernels.ENABLED = rows, kernels
-  model_lib.CPU_FUSED_LAYERS = fused
+  model_lib.CPU_FUSED_LAYERS, cpu_kernels.BF16_PANELS = fused, bf16
+  decode_lib._LAYOUTS.clear()  # a call's layout is kept: lay it out again in here
   try:
     yield
   finally:
     (model_lib.CPU_ROWWISE_MAX_ROWS, cpu_kernels.ENABLED,
-     model_lib.CPU_FUSED_LAYERS) = saved
+     model_lib.CPU_FUSED_LAYERS, cpu_kernels.BF16_PANELS) = saved
+    decode_lib._LAYOUTS.clear()
 
 
 def switched(off: bool):
@@ -111,7 +118,8 @@ def switched(off: bool):
     return rowwise_max(rows)
   return {"kernels": lambda: rowwise_max(rows, kernels=False),
           "rowwise": lambda: rowwise_max(0, kernels=False),
-          "fused": lambda: rowwise_max(rows, fused=False)}[_OFF.value]()
+          "fused": lambda: rowwise_max(rows, fused=False),
+          "bf16": lambda: rowwise_max(rows, bf16=False)}[_OFF.value]()
 
 
 def cpu_model() -> str:

@@ -119,7 +119,7 @@ def forward_timer(model, batch: int, tokens_per_call: int, context: int = 128,
   kv = kv.rollback(jnp.full((batch,), context, jnp.int32))
   tokens = jnp.zeros((batch, tokens_per_call), jnp.int32)
   # The layout `decode.decode` runs with, made once here so no timed call pays for it.
-  params = model_lib.cpu_layout(model.params)
+  params = model_lib.host_layout(model.params)
   return loop_timer(loop, params, kv, tokens, calls=iters)
 
 
@@ -138,7 +138,7 @@ def propose_timer(drafter, draft_params, batch: int, vocab_size: int, context: i
   sampling = Sampling.create(batch, temperature=temperature)
   tokens = jax.random.randint(jax.random.PRNGKey(0), (batch, cache_size), 0, vocab_size)
   n = jnp.full((batch,), context, jnp.int32)
-  draft_params = model_lib.cpu_layout(draft_params)  # as `decode.decode` runs them
+  draft_params = model_lib.host_layout(draft_params)  # as `generate` runs them
 
   @jax.jit
   def loop(params, state, key):

@@ -391,7 +391,7 @@ def laid_out(engine: Engine, weights: Weights) -> Weights:
       out.append(params)
       continue
     key = tuple(id(leaf) for leaf in leaves)
-    entry = _LAYOUTS.pop(key, None) or (leaves, jax.jit(model_lib.cpu_layout)(params))
+    entry = _LAYOUTS.pop(key, None) or (leaves, model_lib.host_layout(params))
     _LAYOUTS[key] = entry  # the most recent last
     while len(_LAYOUTS) > _LAYOUTS_KEPT:
       _LAYOUTS.popitem(last=False)

@@ -190,6 +190,26 @@ class KernelTest(parameterized.TestCase):
     self.assertFalse(cpu_kernels.packable(w[:, :24]))  # 24 columns: not whole panels
     self.assertFalse(cpu_kernels.packable(w.astype(jnp.bfloat16)))
 
+  @parameterized.parameters((1, 37, 80), (5, 96, 288), (9, 37, 80), (13, 96, 1024))
+  def test_bf16_panels_give_the_float32_panels_bits(self, rows, k, n):
+    # Weights that are bfloat16 values: half the bytes, the same float32 products (the
+    # plain product, norm + residual, SwiGLU, live rows), lookups and unpacked weights.
+    w = _rand(1, (k, n)).astype(jnp.bfloat16).astype(jnp.float32)
+    x, add, scale = _rand(0, (rows, k)), _rand(2, (rows, n)), 1 + 0.1 * _rand(3, (k,))
+    half, full = cpu_kernels.pack_bf16(w), cpu_kernels.pack(w)
+    self.assertEqual(half.dtype, jnp.bfloat16)
+    np.testing.assert_array_equal(cpu_kernels.unpack(half), w)
+    cases = [lambda p: cpu_kernels.panel_matmul(x, p),
+             lambda p: cpu_kernels.panel_matmul(x, p, scale, 1e-5, add=add),
+             lambda p: cpu_kernels.panel_matmul(jnp.concatenate([30 * x, x], 1), p,
+                                                gated=True),
+             lambda p: cpu_kernels.panel_matmul(x, p, live=1, period=rows)]
+    for case in cases:
+      np.testing.assert_array_equal(jax.jit(case)(half), jax.jit(case)(full))
+    tokens = jnp.array([[0, n - 1, 7], [8, 9, 15]])  # both halves of a panel row
+    # The tied table [V, d] = w.T, looked up from its panels.
+    np.testing.assert_array_equal(cpu_kernels.panel_lookup(half, tokens), w.T[tokens])
+
   def test_a_failed_build_names_the_compiler_and_the_error(self):
     with mock.patch.dict(os.environ, {"CXX": sys.executable}):
       with self.assertRaisesRegex(RuntimeError, "failed on fewrow.cc"):
@@ -327,6 +347,47 @@ class LayoutTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "period"):
       cpu_kernels.panel_matmul(x[:, :32], cpu_kernels.pack(_rand(14, (32, 48))), live=1,
                                period=3)
+
+  def test_bf16_panels_where_every_weight_is_a_bfloat16_value(self):
+    # `host_layout` (a call's layout) packs bfloat16 panels only for weights that hold
+    # bfloat16 values; over them a Llama-shaped (fused) cached pass, and greedy decoding
+    # with a draft model and with an EAGLE head, give the float32 panels' bits.
+    from specjax.models import heads as heads_lib
+    rounded = lambda m: m.with_params(jax.tree_util.tree_map(
+        lambda x: x.astype(jnp.bfloat16).astype(x.dtype), m.params))
+    target = rounded(tiny_model(**CONFIGS["llama_gqa"], seed=3))
+    kinds = lambda p: {str(x.dtype) for path, x in jax.tree_util.tree_leaves_with_path(p)
+                       if x.ndim == 3}
+    self.assertEqual(kinds(model_lib.host_layout(target.params)), {"bfloat16"})
+    self.assertEqual(kinds(model_lib.host_layout(tiny_model(**CONFIGS["llama_gqa"]).params)),
+                     {"float32"})  # random float32 weights: float32 panels
+    with mock.patch.object(cpu_kernels, "BF16_PANELS", False):
+      self.assertEqual(kinds(model_lib.host_layout(target.params)), {"float32"})
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 7), 0, 16)
+    kv = kv_cache.init_kv(target.config, 2, 32)
+    fn = jax.jit(model_lib.forward_cached, static_argnums=0)
+    outs = [fn(target.graphdef, laid, tokens, kv)[0]
+            for laid in (model_lib.host_layout(target.params),
+                         model_lib.cpu_layout(target.params))]
+    np.testing.assert_array_equal(*outs)
+    draft = rounded(tiny_model(**CONFIGS["llama_gqa"], seed=4))
+    hc = heads_lib.HeadConfig("eagle", target.config)
+    own = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16).astype(x.dtype),
+                                 heads_lib.init_params(hc, 1))
+    head = heads_lib.Head(hc, own, heads_lib.target_fingerprint(target.config,
+                                                                target.params))
+    runs = {}
+    for bf16 in (True, False):
+      decode_lib._LAYOUTS.clear()
+      with mock.patch.object(cpu_kernels, "BF16_PANELS", bf16):
+        runs[bf16] = [specjax.generate(target, [[1, 2, 3], [4, 5]], max_new_tokens=8,
+                                       gamma=3, **kw).tokens
+                      for kw in (dict(drafter="model", draft=draft),
+                                 dict(drafter="eagle", draft=head))]
+        self.assertEqual(kinds(list(decode_lib._LAYOUTS.values())[-1][1]),
+                         {"bfloat16" if bf16 else "float32"})
+    decode_lib._LAYOUTS.clear()
+    self.assertEqual(runs[True], runs[False])
 
   def test_a_call_reuses_the_last_layout(self):
     # `Prepared.run` lays the weights out once and keeps them for the next call with the

@@ -41,6 +41,8 @@ PANEL = 16  # columns per panel (fewrow.cc kPanel)
 ENABLED = True
 SOURCE = pathlib.Path(__file__).with_name("fewrow.cc")
 _TARGETS = {"specjax_panel_matmul": "SpecjaxPanelMatmul",
+            "specjax_panel_matmul_bf16": "SpecjaxPanelMatmulBf16",
+            "specjax_panel_lookup_bf16": "SpecjaxPanelLookupBf16",
             "specjax_cached_attention": "SpecjaxCachedAttention",
             "specjax_rope_attention": "SpecjaxRopeAttention",
             "specjax_top": "SpecjaxTop",
@@ -139,9 +141,33 @@ def pack(w: jax.Array) -> jax.Array:
   return w.reshape(k, n // PANEL, PANEL).transpose(1, 0, 2)
 
 
+# Read by `model.cpu_layout`'s callers: weights that are all bfloat16 values go into
+# bfloat16 panels (`pack_bf16`). False keeps float32 panels (for measurement).
+BF16_PANELS = True
+
+
+def pack_bf16(w: jax.Array) -> jax.Array:
+  """[K, N] -> bfloat16 panels [N / 16, K, 16] for weights that hold bfloat16 values.
+
+  Each panel row interleaves its two halves (columns 0, 8, 1, 9, ..., 7, 15): the kernel
+  loads a row in one 32-byte read and gets the columns as float32 by a shift (0-7) and
+  a mask (8-15), the same float32 weights `pack` would give from half the bytes."""
+  panels = pack(w)
+  p, k, _ = panels.shape
+  return panels.reshape(p, k, 2, PANEL // 2).swapaxes(2, 3).reshape(p, k, PANEL).astype(
+      jnp.bfloat16)
+
+
+def bf16_exact(leaves) -> bool:
+  """Whether every array in `leaves` (concrete, float32) holds only bfloat16 values."""
+  return all(bool(jnp.all(x.astype(jnp.bfloat16).astype(x.dtype) == x)) for x in leaves)
+
+
 def unpack(panels: jax.Array) -> jax.Array:
   p, k, c = panels.shape
-  return panels.transpose(1, 0, 2).reshape(k, p * c)
+  if panels.dtype == jnp.bfloat16:  # `pack_bf16`'s interleaved halves
+    panels = panels.astype(jnp.float32).reshape(p, k, c // 2, 2).swapaxes(2, 3)
+  return panels.reshape(p, k, c).transpose(1, 0, 2).reshape(k, p * c)
 
 
 def _require():
@@ -181,8 +207,8 @@ def panel_matmul(x: jax.Array, panels: jax.Array, norm_scale=None, eps: float = 
   if live is not None and (period <= 0 or x.shape[0] % period):
     raise ValueError(f"panel_matmul: live rows need a period dividing {x.shape[0]} rows, "
                      f"got {period}")
-  return jax.ffi.ffi_call("specjax_panel_matmul",
-                          jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(
+  target = "specjax_panel_matmul" + ("_bf16" if panels.dtype == jnp.bfloat16 else "")
+  return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(
                               x, panels, scale, add, _live(live), parallel=parallel,
                               eps=np.float32(eps), gated=gated,
                               period=np.int64(period if live is not None else 0))
@@ -220,7 +246,8 @@ def panel_lookup(panels: jax.Array, tokens: jax.Array) -> jax.Array:
   """Rows of the table [V, d] laid out as panels [V / 16, d, 16] (`pack` of its
   transpose, a tied LM head): tokens int [...] -> float32 [..., d], indices clipped."""
   _require()
-  return jax.ffi.ffi_call("specjax_panel_lookup",
+  target = "specjax_panel_lookup" + ("_bf16" if panels.dtype == jnp.bfloat16 else "")
+  return jax.ffi.ffi_call(target,
                           jax.ShapeDtypeStruct(tokens.shape + panels.shape[1:2], jnp.float32),
                           vmap_method="sequential")(tokens.astype(jnp.int32), panels)
 

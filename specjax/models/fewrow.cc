@@ -9,11 +9,13 @@
 //     16 columns are contiguous for every k, so it is read as one sequential stream (W
 //     [K, N] as it lies would be read 64 bytes per row, N floats apart: no prefetcher
 //     follows that, and a forward runs 2-4x slower). It also does the RMSNorm or
-//     SwiGLU before a product and the residual add after it.
+//     SwiGLU before a product and the residual add after it. SpecjaxPanelMatmulBf16:
+//     the same over bfloat16 panels (`cpu_kernels.pack_bf16`), half the bytes to stream
+//     for the same float32 products where every weight is a bfloat16 value.
 //   SpecjaxCachedAttention: attention of a few new queries over the valid cache slots.
 //   SpecjaxRopeAttention: a layer's RoPE, attention and KV write in one call.
 //   SpecjaxTop: argmax and support size of each row (the T = 0 verify rule).
-//   SpecjaxPanelLookup: embedding rows from the tied LM head's panels.
+//   SpecjaxPanelLookup(Bf16): embedding rows from the tied LM head's panels.
 //
 // The columns are split in chunks between the calling thread and one XLA pool thread.
 // Each row's additions run in the same order whatever the number of rows, so a row of a
@@ -47,6 +49,33 @@ inline v8 Load(const float* p) {
 
 inline void Store(float* p, v8 v) { std::memcpy(p, &v, sizeof(v)); }
 
+typedef uint32_t v8u __attribute__((vector_size(32)));
+
+// A panel row's 16 weights as two vectors (columns 0-7, 8-15). bfloat16 panels
+// (`cpu_kernels.pack_bf16`) hold column i in the low half of 32-bit lane i and column
+// i + 8 in the high half: one load, and a shift or a mask makes each float32 exactly.
+inline void LoadPanel(const float* p, v8& lo, v8& hi) {
+  lo = Load(p);
+  hi = Load(p + 8);
+}
+
+inline void LoadPanel(const uint16_t* p, v8& lo, v8& hi) {
+  v8u raw;
+  std::memcpy(&raw, p, sizeof(raw));
+  lo = (v8)(raw << 16);
+  hi = (v8)(raw & 0xFFFF0000u);
+}
+
+// Column c of a panel row, as float32.
+inline float PanelAt(const float* p, int64_t c) { return p[c]; }
+
+inline float PanelAt(const uint16_t* p, int64_t c) {
+  const uint32_t bits = static_cast<uint32_t>(p[c < 8 ? 2 * c : 2 * (c - 8) + 1]) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
 // Keeps a loaded weight vector in a register. Without it GCC folds the load into every
 // multiply-add at 4 rows (8 loads per k instead of 2), and 4 rows took longer than 5.
 inline void InRegister(v8& v) {
@@ -58,6 +87,7 @@ inline void InRegister(v8& v) {
 using Rows = ffi::Buffer<ffi::F32, 2>;  // aliases keep the commas out of the macros below
 using Vec = ffi::Buffer<ffi::F32, 1>;
 using Panels3 = ffi::Buffer<ffi::F32, 3>;
+using PanelsBf16 = ffi::Buffer<ffi::BF16, 3>;
 using Out = ffi::ResultBuffer<ffi::F32, 2>;
 
 constexpr int kPanel = 16;  // columns per panel: two vectors
@@ -74,8 +104,8 @@ constexpr int kRowGroup = 6;
 // column is summed over k in order whatever R and P are; P > 1 gives a few rows more
 // independent multiply-add chains (one row of one panel is two chains, each waiting
 // out the multiply-add latency at every k).
-template <int R, int P>
-inline void PanelRows(const float* x, const float* p, float* y, const float* add,
+template <int R, int P, typename W>
+inline void PanelRows(const float* x, const W* p, float* y, const float* add,
                       int64_t K, int64_t N, int64_t j0) {
   v8 acc[R][2 * P];
   for (int r = 0; r < R; ++r)
@@ -83,8 +113,7 @@ inline void PanelRows(const float* x, const float* p, float* y, const float* add
   for (int64_t k = 0; k < K; ++k) {
     v8 w[2 * P];
     for (int c = 0; c < P; ++c) {
-      w[2 * c] = Load(p + (c * K + k) * kPanel);
-      w[2 * c + 1] = Load(p + (c * K + k) * kPanel + 8);
+      LoadPanel(p + (c * K + k) * kPanel, w[2 * c], w[2 * c + 1]);
       InRegister(w[2 * c]), InRegister(w[2 * c + 1]);
     }
     for (int r = 0; r < R; ++r) {
@@ -112,8 +141,8 @@ constexpr int PanelsPerPass() {
 }
 
 // Columns [n0, n1) of y for R rows.
-template <int R>
-void Panels(const float* x, const float* p, float* y, const float* add, int64_t K,
+template <int R, typename W>
+void Panels(const float* x, const W* p, float* y, const float* add, int64_t K,
             int64_t N, int64_t n0, int64_t n1) {
   constexpr int P = PanelsPerPass<R>();
   int64_t j = n0;
@@ -122,17 +151,22 @@ void Panels(const float* x, const float* p, float* y, const float* add, int64_t 
   for (; j < n1; j += kPanel) PanelRows<R, 1>(x, p + j * K, y, add, K, N, j);
 }
 
-using Kernel = void (*)(const float*, const float*, float*, const float*, int64_t, int64_t,
+template <typename W>
+using Kernel = void (*)(const float*, const W*, float*, const float*, int64_t, int64_t,
                         int64_t, int64_t);
-constexpr Kernel kPanels[] = {Panels<1>, Panels<2>, Panels<3>, Panels<4>, Panels<5>,
-                              Panels<6>, Panels<7>, Panels<8>, Panels<9>};
+template <typename W>
+constexpr Kernel<W> kPanels[] = {Panels<1, W>, Panels<2, W>, Panels<3, W>,
+                                 Panels<4, W>, Panels<5, W>, Panels<6, W>,
+                                 Panels<7, W>, Panels<8, W>, Panels<9, W>};
 // Columns [n0, n1): rows in groups of at most kRowGroup; a later group finds the
 // weights in cache.
-void ByRowGroups(const float* x, const float* w, float* y, const float* add, int64_t rows,
+template <typename W>
+void ByRowGroups(const float* x, const W* w, float* y, const float* add, int64_t rows,
                  int64_t K, int64_t N, int64_t n0, int64_t n1) {
   for (int64_t r0 = 0; r0 < rows; r0 += kRowGroup) {
     const int64_t r = std::min<int64_t>(kRowGroup, rows - r0);
-    kPanels[r - 1](x + r0 * K, w, y + r0 * N, add ? add + r0 * N : nullptr, K, N, n0, n1);
+    kPanels<W>[r - 1](x + r0 * K, w, y + r0 * N, add ? add + r0 * N : nullptr, K, N, n0,
+                      n1);
   }
 }
 
@@ -247,7 +281,8 @@ inline int64_t InUse(const Live& live, int64_t period) {
 // (eps): the small ops around a product, done on its rows in the same pass instead of
 // in XLA thunks of their own. add [R, N] (or [0, 0]) is the residual stream. Of each
 // `period` rows (0: all R) only the first `live` are computed; the others are zeros.
-ffi::Error PanelMatmul(ffi::ThreadPool pool, Rows x, Panels3 wp, Vec scale, Rows add,
+template <typename PanelBuffer>
+ffi::Error PanelMatmul(ffi::ThreadPool pool, Rows x, PanelBuffer wp, Vec scale, Rows add,
                        Live live, Out y, bool parallel, float eps, bool gated,
                        int64_t period) {
   const auto xd = x.dimensions(), wd = wp.dimensions();
@@ -291,7 +326,7 @@ ffi::Error PanelMatmul(ffi::ThreadPool pool, Rows x, Panels3 wp, Vec scale, Rows
     std::memset(yp + (g * per + used) * N, 0, (per - used) * N * sizeof(float));
   // The columns in up to 8 chunks of whole passes (4 panels), or in one on one thread.
   const int64_t chunk = parallel ? ((wd[0] + 7) / 8 + 3) / 4 * 4 * kPanel : N;
-  const float* w = wp.typed_data();
+  const auto* w = wp.typed_data();
   if (used == 0) return ffi::Error::Success();
   ForEach(pool, (N + chunk - 1) / chunk, [=](int64_t c) {
     const int64_t n0 = c * chunk, n1 = std::min(N, (c + 1) * chunk);
@@ -583,35 +618,54 @@ ffi::Error Top(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> index,
 // Rows of an embedding table laid out as the tied LM head's panels [V / 16, d, 16]:
 // out[r] = column tokens[r] (clipped to [0, V)). XLA's gather of a few such strided
 // columns took ~3 us a token (17 us for a 5-token pass, 0.13 ms for a 64-token prefill).
-ffi::Error PanelLookup(ffi::Buffer<ffi::S32> tokens, Panels3 wp,
+template <typename PanelBuffer>
+ffi::Error PanelLookup(ffi::Buffer<ffi::S32> tokens, PanelBuffer wp,
                        ffi::ResultBuffer<ffi::F32> out) {
   const auto wd = wp.dimensions();
   const int64_t V = wd[0] * kPanel, K = wd[1], R = tokens.element_count();
   if (wd[2] != kPanel || out->element_count() != R * K || V == 0)
     return ffi::Error::InvalidArgument("SpecjaxPanelLookup: shapes do not match");
   const int32_t* tp = tokens.typed_data();
-  const float* w = wp.typed_data();
+  const auto* w = wp.typed_data();
   float* op = out->typed_data();
   for (int64_t r = 0; r < R; ++r) {
     const int64_t t = std::min<int64_t>(std::max<int32_t>(tp[r], 0), V - 1);
-    const float* column = w + (t / kPanel) * K * kPanel + t % kPanel;
-    for (int64_t k = 0; k < K; ++k) op[r * K + k] = column[k * kPanel];
+    const auto* panel = w + (t / kPanel) * K * kPanel;
+    for (int64_t k = 0; k < K; ++k) op[r * K + k] = PanelAt(panel + k * kPanel, t % kPanel);
   }
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxPanelLookup, PanelLookup,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxPanelLookup, PanelLookup<Panels3>,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<Panels3>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxPanelMatmul, PanelMatmul,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxPanelLookupBf16, PanelLookup<PanelsBf16>,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<PanelsBf16>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxPanelMatmul, PanelMatmul<Panels3>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<Rows>()
                                   .Arg<Panels3>()
+                                  .Arg<Vec>()
+                                  .Arg<Rows>()
+                                  .Arg<Live>()
+                                  .Ret<Rows>()
+                                  .Attr<bool>("parallel")
+                                  .Attr<float>("eps")
+                                  .Attr<bool>("gated")
+                                  .Attr<int64_t>("period"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxPanelMatmulBf16, PanelMatmul<PanelsBf16>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Rows>()
+                                  .Arg<PanelsBf16>()
                                   .Arg<Vec>()
                                   .Arg<Rows>()
                                   .Arg<Live>()

@@ -120,7 +120,7 @@ class EagleHead(_Readout):
     at int[B]: only slot at[b] of each row is read (T becomes 1 in both outputs), and
     only slots up to max(at) are computed where the layer runs fused (`Block._fused`).
     """
-    x = jnp.concatenate([self.feature_norm(features.astype(self.embed.embedding.dtype)),
+    x = jnp.concatenate([self.feature_norm(features.astype(self.feature_norm.scale.dtype)),
                          self.token_norm(self.embed(next_tokens))], axis=-1)
     live = None if at is None else jnp.max(at) + 1
     x, cache = self.layer(self.fuse(x), positions, cache, read_cache, live=live)

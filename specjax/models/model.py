@@ -142,9 +142,11 @@ def _panel_product(x, panels):
   return y.reshape(x.shape[:-1] + y.shape[-1:])
 
 
-def cpu_layout(params: Params) -> Params:
+def cpu_layout(params: Params, bf16: bool = False) -> Params:
   """On a CPU with specjax's kernels (`cpu_kernels.available`), every float32 Dense
-  kernel as panels [N / 16, K, 16]; params unchanged otherwise.
+  kernel as panels [N / 16, K, 16]; params unchanged otherwise. bf16: bfloat16 panels
+  (`cpu_kernels.pack_bf16`), exact only where every packed weight is a bfloat16 value
+  (`host_layout` checks).
 
   A forward over the result multiplies its rows with specjax's kernel (each weight read
   once for every group of up to 9 rows, the columns split over two threads),
@@ -155,17 +157,42 @@ def cpu_layout(params: Params) -> Params:
   if _WHOLE_ROWS.get() or not cpu_kernels.available():
     return params
 
-  tied = "lm_head" not in (params or {})  # None: no draft model
+  pack = cpu_kernels.pack_bf16 if bf16 else cpu_kernels.pack
 
   def lay(path, leaf):
-    names = tuple(getattr(p, "key", None) for p in path[-2:])
-    if names[-1] == "kernel" and cpu_kernels.packable(leaf):
-      return cpu_kernels.pack(leaf)
-    if tied and names == ("embed", "embedding") and cpu_kernels.packable(leaf.T):
-      return cpu_kernels.pack(leaf.T)  # the tied LM head's [d, V], read as `Embed` reads it
-    return leaf
+    kind = _packed_as(params, path, leaf)
+    return leaf if kind is None else pack(leaf if kind == "kernel" else leaf.T)
 
   return jax.tree_util.tree_map_with_path(lay, params)
+
+
+def _packed_as(params, path, leaf):
+  """"kernel" for a Dense kernel `cpu_layout` packs, "tied" for a tied embedding
+  (the LM head's [d, V], read as `Embed` reads it), None for a leaf left as it is."""
+  names = tuple(getattr(p, "key", None) for p in path[-2:])
+  if names[-1] == "kernel" and cpu_kernels.packable(leaf):
+    return "kernel"
+  tied = "lm_head" not in (params or {})
+  if tied and names == ("embed", "embedding") and cpu_kernels.packable(leaf.T):
+    return "tied"
+  return None
+
+
+def host_layout(params: Params) -> Params:
+  """`cpu_layout` of concrete params, compiled: in bfloat16 panels where every weight
+  it packs is a bfloat16 value (the shipped checkpoints), so each product reads half
+  the bytes for the same float32 result (`cpu_kernels.BF16_PANELS`)."""
+  if _WHOLE_ROWS.get() or not cpu_kernels.available():
+    return params
+  packed = [leaf for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+            if _packed_as(params, path, leaf)]
+  bf16 = cpu_kernels.BF16_PANELS and bool(packed) and cpu_kernels.bf16_exact(packed)
+  return _compiled_layout(params, bf16)
+
+
+@functools.partial(jax.jit, static_argnames="bf16")
+def _compiled_layout(params, bf16):
+  return cpu_layout(params, bf16)
 
 
 def _dense(rngs, d_in, d_out, bias, std):
