@@ -363,6 +363,11 @@ class LayoutTest(parameterized.TestCase):
                      {"float32"})  # random float32 weights: float32 panels
     with mock.patch.object(cpu_kernels, "BF16_PANELS", False):
       self.assertEqual(kinds(model_lib.host_layout(target.params)), {"float32"})
+    # Inside a caller's jit: float32 panels for traced weights, whose values are unknown;
+    # weights it closes over are checked on the host.
+    self.assertEqual(kinds(jax.eval_shape(model_lib.host_layout, target.params)), {"float32"})
+    self.assertEqual(kinds(jax.eval_shape(lambda: model_lib.host_layout(target.params))),
+                     {"bfloat16"})
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 7), 0, 16)
     kv = kv_cache.init_kv(target.config, 2, 32)
     fn = jax.jit(model_lib.forward_cached, static_argnums=0)

@@ -179,9 +179,10 @@ def _packed_as(params, path, leaf):
 
 
 def host_layout(params: Params) -> Params:
-  """`cpu_layout` of concrete params, compiled: in bfloat16 panels where every weight
-  it packs is a bfloat16 value (the shipped checkpoints), so each product reads half
-  the bytes for the same float32 result (`cpu_kernels.BF16_PANELS`)."""
+  """`cpu_layout` of params before a compiled call: in bfloat16 panels where every
+  weight it packs is a bfloat16 value (the shipped checkpoints), so each product reads
+  half the bytes for the same float32 result (`cpu_kernels.BF16_PANELS`); float32
+  panels for traced params, whose values are unknown."""
   if _WHOLE_ROWS.get() or not cpu_kernels.available():
     return params
   packed = [leaf for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
