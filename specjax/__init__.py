@@ -1,4 +1,8 @@
 """specjax: lossless speculative decoding in JAX/Flax."""
+from specjax import rng as _rng
+
+_rng.use_unrolled_threefry()  # before any program is traced (see specjax/rng.py)
+
 from specjax.generation import GenerateResult, generate
 from specjax.models.config import ModelConfig
 from specjax.models.model import Model, init_model
