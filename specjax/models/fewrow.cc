@@ -638,42 +638,39 @@ ffi::Error PanelLookup(ffi::Buffer<ffi::S32> tokens, PanelBuffer wp,
 
 }  // namespace
 
+// One binding per panel type (float32 or bfloat16 panels).
+template <typename PanelBuffer>
+auto PanelLookupBinding() {
+  return ffi::Ffi::Bind()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<PanelBuffer>()
+      .template Ret<ffi::Buffer<ffi::F32>>();
+}
+
+template <typename PanelBuffer>
+auto PanelMatmulBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<Rows>()
+      .Arg<PanelBuffer>()
+      .template Arg<Vec>()
+      .template Arg<Rows>()
+      .template Arg<Live>()
+      .template Ret<Rows>()
+      .template Attr<bool>("parallel")
+      .template Attr<float>("eps")
+      .template Attr<bool>("gated")
+      .template Attr<int64_t>("period");
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxPanelLookup, PanelLookup<Panels3>,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<Panels3>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                              PanelLookupBinding<Panels3>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxPanelLookupBf16, PanelLookup<PanelsBf16>,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<PanelsBf16>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                              PanelLookupBinding<PanelsBf16>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxPanelMatmul, PanelMatmul<Panels3>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<Rows>()
-                                  .Arg<Panels3>()
-                                  .Arg<Vec>()
-                                  .Arg<Rows>()
-                                  .Arg<Live>()
-                                  .Ret<Rows>()
-                                  .Attr<bool>("parallel")
-                                  .Attr<float>("eps")
-                                  .Attr<bool>("gated")
-                                  .Attr<int64_t>("period"));
+                              PanelMatmulBinding<Panels3>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxPanelMatmulBf16, PanelMatmul<PanelsBf16>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<Rows>()
-                                  .Arg<PanelsBf16>()
-                                  .Arg<Vec>()
-                                  .Arg<Rows>()
-                                  .Arg<Live>()
-                                  .Ret<Rows>()
-                                  .Attr<bool>("parallel")
-                                  .Attr<float>("eps")
-                                  .Attr<bool>("gated")
-                                  .Attr<int64_t>("period"));
+                              PanelMatmulBinding<PanelsBf16>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxCachedAttention, CachedAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
