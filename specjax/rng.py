@@ -4,12 +4,13 @@ jax lowers its Threefry-2x32 hash (every `jax.random` split, fold_in and draw) o
 as a loop of five iterations, to keep compile times down; XLA:CPU runs each iteration
 as thunks of its own, so a draw of 2048 uniforms took 43-65 µs, a quarter to a third
 of the shipped target's decode step, and each round draws several (a T > 0 draft
-token, the verify rule's residual or bonus, key splits at any T). Everywhere else jax emits the twenty
-rounds unrolled, which XLA fuses into one loop over the counts. `use_unrolled_threefry`
-registers that lowering for the CPU too: the hash is the same function, so every key and
-draw keeps its bits (tested); only programs traced afterwards change. specjax calls it
-on import unless SPECJAX_UNROLLED_THREEFRY=0; it affects every jax program of the process
-on the CPU (runtime down, compile time up a little per call site).
+token, the verify rule's residual or bonus, key splits at any T). Everywhere else jax
+emits the twenty rounds unrolled, which XLA fuses into one loop over the counts.
+`use_unrolled_threefry` registers that lowering for the CPU too: the hash is the same
+function, so every key and draw keeps its bits (tested); only programs traced afterwards
+change. specjax calls it on import unless SPECJAX_UNROLLED_THREEFRY=0; it affects every
+jax program of the process on the CPU (runtime down, compile time up a little per call
+site).
 """
 
 import os

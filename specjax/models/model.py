@@ -167,8 +167,8 @@ def cpu_layout(params: Params, bf16: bool = False) -> Params:
 
 
 def _packed_as(params, path, leaf):
-  """"kernel" for a Dense kernel `cpu_layout` packs, "tied" for a tied embedding
-  (the LM head's [d, V], read as `Embed` reads it), None for a leaf left as it is."""
+  """How `cpu_layout` packs a leaf: "kernel" (a Dense kernel), "tied" (a tied
+  embedding, as the LM head's [d, V] that `Embed` reads), or None (left as it is)."""
   names = tuple(getattr(p, "key", None) for p in path[-2:])
   if names[-1] == "kernel" and cpu_kernels.packable(leaf):
     return "kernel"
