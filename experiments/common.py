@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+import shutil
 import statistics
+import subprocess
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -191,4 +196,60 @@ def compare_calls(target, prompts, base: dict, variants: dict[str, dict],
   for name in names[2:]:
     out[name]["against_first"] = _quartiles([a / t for a, t in zip(times[first],
                                                                      times[name])])
+  return out
+
+
+# ----------------------------------------------------------------------------------
+# The few-row kernel outside XLA (experiments/kernel_floor.cc).
+
+KERNEL_FLOOR_SOURCE = Path(__file__).with_name("kernel_floor.cc")
+
+
+def panel_shapes(model) -> tuple[list[tuple[int, int]], bool]:
+  """[(K, N)] of every matrix a forward multiplies through specjax's kernel (the weights
+  `model.host_layout` lays out in panels), and whether they are bfloat16 panels."""
+  from specjax.models import cpu_kernels
+  from specjax.models import model as model_lib
+  leaves = [leaf for leaf in jax.tree_util.tree_leaves(model_lib.host_layout(model.params))
+            if leaf.ndim == 3 and leaf.shape[2] == cpu_kernels.PANEL]
+  if not leaves:
+    raise ValueError(f"no weights laid out in panels ({cpu_kernels.status()})")
+  shapes = [(int(p.shape[1]), int(p.shape[0] * p.shape[2])) for p in leaves]
+  return shapes, leaves[0].dtype == jnp.bfloat16
+
+
+def build_kernel_floor(out_dir: str) -> Path:
+  """Compiles kernel_floor.cc (the kernel of specjax/models/fewrow.cc in a C++ loop) with
+  the flags specjax's own library is built with; returns the program's path."""
+  from specjax.models import cpu_kernels
+  compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+  if compiler is None:
+    raise RuntimeError("no C++ compiler (set CXX, or install g++)")
+  flags = [f for f in cpu_kernels._flags() if f not in ("-shared", "-fPIC")]
+  exe = Path(out_dir) / "kernel_floor"
+  done = subprocess.run([compiler, *flags, "-pthread", str(KERNEL_FLOOR_SOURCE), "-o", str(exe)],
+                        capture_output=True, text=True, timeout=600)
+  if done.returncode:
+    raise RuntimeError(f"{compiler} failed on {KERNEL_FLOOR_SOURCE.name}:\n{done.stderr[-2000:]}")
+  return exe
+
+
+def run_kernel_floor(exe: Path, shapes, bf16: bool = True, reps: int = 200,
+                     check: bool = False) -> dict:
+  """Runs the program on these (K, N) shapes. check: the first product (3 rows) against
+  a plain loop, {"max_rel_error"}; else {"peak_gflops_per_core", "macs_per_row",
+  "weight_bytes", "rows": {R: {"one_thread_us", "two_threads_us"}}}."""
+  env = dict(os.environ, FLOOR_REPS=str(reps), FLOOR_BF16="1" if bf16 else "0")
+  if check:
+    env["FLOOR_CHECK"] = "1"
+  args = [str(v) for shape in shapes for v in shape]
+  done = subprocess.run([str(exe), *args], capture_output=True, text=True, env=env,
+                        timeout=3600, check=True)
+  out: dict = {"rows": {}}
+  for line in done.stdout.splitlines():
+    words = line.split()
+    if words[0] == "rows":
+      out["rows"][int(words[1])] = {k: float(v) for k, v in zip(words[2::2], words[3::2])}
+    else:
+      out.update({k: float(v) for k, v in zip(words[::2], words[1::2])})
   return out

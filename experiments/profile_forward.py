@@ -7,6 +7,7 @@ r"""Where the time of a cached forward goes, per op, for T new tokens; and v(γ)
   python -m experiments.profile_forward --off=fused --rounds=none,ngram,model  # fused layer calls on / off
   python -m experiments.profile_forward --off=bf16 --rounds=none,ngram,model   # bfloat16 panels on / off
   python -m experiments.profile_forward --trace=false --ops=false --max_gamma=4 --live_gamma=4  # narrowed passes
+  python -m experiments.profile_forward --trace=false --ops=false --compare=false --products  # the kernels' own v(γ)
 
 Three tables, each from paired, interleaved timing (the machine is shared: nothing here
 is a ratio of two separate runs; each ratio is the median of per-round ratios, with its
@@ -30,6 +31,12 @@ min and max):
    (L+1)-token pass, each paired with a 1-token step.
 5. With --rounds: whole decode rounds (`costs.round_timer`: draft, verify, commit;
    γ = 4, T = 0) of each listed drafter, --off's choice on against off, paired.
+6. With --products: the forward's matrix products alone through specjax's kernel
+   (every laid-out weight in forward order, R rows each, R = 1..max_gamma + 1), each R
+   paired with R = 1, with the weights' GB/s and the products' GFLOP/s; and the same
+   number of products over the largest matrix alone (warm in cache: what the
+   arithmetic allows). Their v(γ) is the part of v(γ) no change outside the kernel
+   can lower.
 """
 
 from __future__ import annotations
@@ -89,6 +96,8 @@ _ROUNDS = flags.DEFINE_list("rounds", [], "Drafters (none, ngram, model) whose d
 _DRAFT = flags.DEFINE_string("draft", "stdlib-draft", "Draft model for --rounds=model.")
 _LIVE = flags.DEFINE_integer("live_gamma", 0, "Also time the (γ+1)-token pass computing "
                              "only L + 1 tokens, L = 0..γ (0: off).")
+_PRODUCTS = flags.DEFINE_bool("products", False, "Also time the forward's matrix products "
+                               "alone, R = 1..max_gamma + 1 rows (the kernels' own v(γ)).")
 _FLOOR = flags.DEFINE_integer("floor_tokens", 64, "Also time a pass of this many tokens "
                               "(per-token cost at full GEMM throughput); 0: skip.")
 
@@ -431,6 +440,9 @@ def main(argv):
           f"{ratio_text(big, small)} of a 1-token step: the floor of each extra verify "
           "token when its matmuls run at full GEMM throughput")
 
+  if _PRODUCTS.value:
+    products_table(model, _MAX_GAMMA.value + 1, iters, pairs)
+
   if _LIVE.value:
     live_table(model, batch, context, cache, iters, pairs, _LIVE.value)
 
@@ -459,6 +471,68 @@ def live_table(model, batch, context, cache, iters, pairs, gamma):
   for length in range(gamma + 1):
     print(f"| {length} | {ratio_text(*ratios['narrowed', length])} | "
           f"{ratio_text(*ratios['whole', length])} |")
+
+
+def products_timer(panels, rows, iters):
+  """`timed_loop` of the products over `panels` in turn, R = rows: each input is the
+  previous output cut or padded to the next K and RMS-normalised in the kernel, as a
+  forward chains them, so nothing can be hoisted or left out. The weights are carried
+  through the loop (arguments, not constants)."""
+  ones = {p.shape[1]: jnp.ones((p.shape[1],), jnp.float32) for p in panels}
+
+  def fit(x, k):
+    return x[:, :k] if x.shape[1] >= k else jnp.pad(x, ((0, 0), (0, k - x.shape[1])))
+
+  def body(carry):
+    x, ps = carry
+    y = x
+    for p in ps:
+      y = cpu_kernels.panel_matmul(fit(y, p.shape[1]), p, norm_scale=ones[p.shape[1]],
+                                   eps=1e-6)
+    return fit(y, x.shape[1]), ps
+
+  x0 = jax.random.normal(jax.random.PRNGKey(0), (rows, panels[0].shape[1]), jnp.float32)
+  return timed_loop(body, (x0, list(panels)), iters)
+
+
+def products_table(model, max_rows, iters, pairs):
+  """The forward's products alone, R = 1..max_rows rows, each paired with R = 1; and as
+  many products over the largest matrix alone (its weights stay in cache)."""
+  if not cpu_kernels.available():
+    print(f"\n(products table skipped: specjax's kernels are not in use: "
+          f"{cpu_kernels.status()})")
+    return
+  laid = model_lib.host_layout(model.params)
+  panels = [leaf for leaf in jax.tree_util.tree_leaves(laid)
+            if leaf.ndim == 3 and leaf.shape[2] == cpu_kernels.PANEL]
+  largest = max(panels, key=lambda p: p.size)
+  macs = sum(p.shape[0] * p.shape[1] * p.shape[2] for p in panels)
+  nbytes = sum(p.size * p.dtype.itemsize for p in panels)
+  ks = range(1, max_rows + 1)
+  timers = {(kind, r): products_timer(ps, r, iters)
+            for kind, ps in (("forward", panels), ("warm", [largest] * len(panels)))
+            for r in ks}
+  times = {key: [] for key in timers}
+  base = {r: [] for r in ks}
+  for i in range(pairs + 1):
+    for r in ks:
+      a, b, c = timers["forward", 1](), timers["forward", r](), timers["warm", r]()
+      if i:
+        base[r].append(a)
+        times["forward", r].append(b)
+        times["warm", r].append(c)
+  warm_macs = largest.shape[0] * largest.shape[1] * largest.shape[2] * len(panels)
+  print(f"\nThe forward's products alone ({len(panels)} matrices, {macs / 1e6:.2f}M "
+        f"multiply-adds a row, {nbytes / 2**20:.1f} MiB of {panels[0].dtype} panels), "
+        f"paired with R = 1; warm: {len(panels)} products over the largest matrix "
+        f"{tuple(largest.shape)}:\n")
+  print("| R | µs | weights GB/s | GFLOP/s | / R = 1 | warm µs | warm GFLOP/s |\n"
+        "|---|---|---|---|---|---|---|")
+  for r in ks:
+    t, w = statistics.median(times["forward", r]), statistics.median(times["warm", r])
+    print(f"| {r} | {t * 1e6:.0f} | {nbytes / t / 1e9:.1f} | {2 * macs * r / t / 1e9:.1f} | "
+          f"{ratio_text(times['forward', r], base[r])} | {w * 1e6:.0f} | "
+          f"{2 * warm_macs * r / w / 1e9:.1f} |")
 
 
 def round_table(model, context, pairs, rounds=16):

@@ -157,3 +157,19 @@ def test_ab_calls_compares_lossless_variants_against_target_only():
   assert out["target-only"]["drafted_per_round"] == 0.0
   assert out["fixed"]["tokens_per_round"] > 1.0  # the repeating prompts match
   assert "against_first" in out["ledger"] and "against_first" not in out["fixed"]
+
+
+def test_kernel_floor_times_the_library_kernel(tmp_path):
+  # The C++ loop runs fewrow.cc's own kernel: its product matches a plain loop in both
+  # panel layouts, and a timing run reports every row count on one and two threads.
+  from experiments import common
+  shapes, bf16 = common.panel_shapes(tiny_model(vocab=32, d_model=32, llama=True))
+  assert (32, 96) in shapes and not bf16  # qkv of d_model 32; random float32 weights
+  exe = common.build_kernel_floor(str(tmp_path))
+  for layout in (True, False):
+    check = common.run_kernel_floor(exe, [(37, 80), (64, 32)], bf16=layout, check=True)
+    assert check["max_rel_error"] < 1e-5, (layout, check)
+  got = common.run_kernel_floor(exe, shapes, reps=2)
+  assert got["macs_per_row"] == sum(k * n for k, n in shapes)
+  assert set(got["rows"]) >= set(range(1, 10))
+  assert all(t["one_thread_us"] > 0 and t["two_threads_us"] > 0 for t in got["rows"].values())
