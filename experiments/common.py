@@ -218,6 +218,16 @@ def panel_shapes(model) -> tuple[list[tuple[int, int]], bool]:
   return shapes, leaves[0].dtype == jnp.bfloat16
 
 
+def llama_shapes(d_model: int, n_layers: int, d_ff: int, vocab: int) -> list[tuple[int, int]]:
+  """[(K, N)] of a Llama-shaped forward (fused qkv of 3 d_model, out, SwiGLU up [gate |
+  up] and down per layer, an untied LM head), for timing products without weights."""
+  if min(d_model, n_layers, d_ff, vocab) <= 0 or (d_model % 16) or (d_ff % 8) or (vocab % 16):
+    raise ValueError("d_model, n_layers, d_ff and vocab must be positive, d_model and vocab "
+                     f"multiples of 16, d_ff of 8; got {d_model}, {n_layers}, {d_ff}, {vocab}")
+  layer = [(d_model, 3 * d_model), (d_model, d_model), (d_model, 2 * d_ff), (d_ff, d_model)]
+  return layer * n_layers + [(d_model, vocab)]
+
+
 def build_kernel_floor(out_dir: str) -> Path:
   """Compiles kernel_floor.cc (the kernel of specjax/models/fewrow.cc in a C++ loop) with
   the flags specjax's own library is built with; returns the program's path."""
@@ -238,8 +248,12 @@ def run_kernel_floor(exe: Path, shapes, bf16: bool = True, reps: int = 200,
                      check: bool = False) -> dict:
   """Runs the program on these (K, N) shapes. check: the first product (3 rows) against
   a plain loop, {"max_rel_error"}; else {"peak_gflops_per_core", "macs_per_row",
-  "weight_bytes", "rows": {R: {"one_thread_us", "two_threads_us"}}}."""
-  env = dict(os.environ, FLOOR_REPS=str(reps), FLOOR_BF16="1" if bf16 else "0")
+  "weight_bytes", "rows": {R: {"one_thread_us", "two_threads_us", "no_prefetch_us"}}}:
+  the weights prefetched as `cpu_kernels.PREFETCH_MIN_BYTES` says (and, no_prefetch,
+  never), two threads unless said."""
+  from specjax.models import cpu_kernels
+  env = dict(os.environ, FLOOR_REPS=str(reps), FLOOR_BF16="1" if bf16 else "0",
+             FLOOR_PREFETCH_MIN_BYTES=str(cpu_kernels.PREFETCH_MIN_BYTES))
   if check:
     env["FLOOR_CHECK"] = "1"
   args = [str(v) for shape in shapes for v in shape]

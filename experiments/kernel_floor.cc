@@ -6,7 +6,9 @@
 //   kernel_floor K0 N0 K1 N1 ...      (one product per (K, N) pair, in forward order)
 //
 // Options in the environment: FLOOR_REPS (timed forwards per point), FLOOR_BF16=0
-// (float32 panels), FLOOR_CHECK=1 (compare one product with a plain loop and exit).
+// (float32 panels), FLOOR_PREFETCH_MIN_BYTES (prefetch the weights of matrices this
+// large, as `cpu_kernels.PREFETCH_MIN_BYTES`; default never), FLOOR_CHECK=1 (compare one
+// product with a plain loop and exit).
 #include "../specjax/models/fewrow.cc"
 
 #include <chrono>
@@ -58,15 +60,18 @@ struct Matrix {
   std::vector<uint16_t> w16;  // pack_bf16's interleaved halves
 };
 
-bool g_bf16 = true;
+bool g_bf16 = true, g_no_prefetch = false;
+int64_t g_prefetch_min_bytes = INT64_MAX;
 
 // Columns [n0, n1) of y = x · W for `rows` rows, as PanelMatmul's chunks run them.
 void Columns(const Matrix& m, const float* x, float* y, int64_t rows, int64_t n0,
              int64_t n1) {
+  const bool ahead =
+      !g_no_prefetch && m.K * m.N * (g_bf16 ? 2 : 4) >= g_prefetch_min_bytes;
   if (g_bf16)
-    ByRowGroups<uint16_t>(x, m.w16.data(), y, nullptr, rows, m.K, m.N, n0, n1);
+    ByRowGroups<uint16_t>(x, m.w16.data(), y, nullptr, rows, m.K, m.N, n0, n1, ahead);
   else
-    ByRowGroups<float>(x, m.w32.data(), y, nullptr, rows, m.K, m.N, n0, n1);
+    ByRowGroups<float>(x, m.w32.data(), y, nullptr, rows, m.K, m.N, n0, n1, ahead);
 }
 
 // PanelMatmul's split: up to 8 chunks of whole passes (4 panels), claimed in turn.
@@ -130,6 +135,8 @@ int main(int argc, char** argv) {
   }
   g_bf16 = !(std::getenv("FLOOR_BF16") && std::string(std::getenv("FLOOR_BF16")) == "0");
   const int reps = std::getenv("FLOOR_REPS") ? std::atoi(std::getenv("FLOOR_REPS")) : 200;
+  if (std::getenv("FLOOR_PREFETCH_MIN_BYTES"))
+    g_prefetch_min_bytes = std::atoll(std::getenv("FLOOR_PREFETCH_MIN_BYTES"));
   std::vector<Matrix> mats;
   std::srand(0);
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -206,14 +213,17 @@ int main(int argc, char** argv) {
               bytes, int(g_bf16));
   for (int rows = 1; rows <= kRowGroup + 3; ++rows) {
     team.rows = rows;
-    std::vector<double> one, two;
+    std::vector<double> one, two, plain;
     Forward(team, 1), Forward(team, 2);
     for (int i = 0; i < reps; ++i) {  // interleaved: the machine's speed drifts
       one.push_back(Forward(team, 1));
       two.push_back(Forward(team, 2));
+      g_no_prefetch = true;
+      plain.push_back(Forward(team, 2));
+      g_no_prefetch = false;
     }
-    std::printf("rows %d one_thread_us %.1f two_threads_us %.1f\n", rows, Median(one),
-                Median(two));
+    std::printf("rows %d one_thread_us %.1f two_threads_us %.1f no_prefetch_us %.1f\n", rows,
+                Median(one), Median(two), Median(plain));
   }
   team.stop.store(true);
   team.generation.fetch_add(1);

@@ -56,6 +56,19 @@ class KernelTest(parameterized.TestCase):
         jnp.concatenate([gates, x], axis=1))
     np.testing.assert_allclose(got, (jax.nn.silu(gates) * x) @ w, rtol=2e-5, atol=2e-4)
 
+  @parameterized.parameters(1, 3, 7)
+  def test_prefetching_changes_no_bit(self, rows):
+    # 512 x 1024 float32 panels are 2 MiB, PREFETCH_MIN_BYTES: the kernel prefetches their
+    # weights for 3 or more rows (7: two row groups); without it, the same bits.
+    x, w = _rand(0, (rows, 512)), _rand(1, (512, 1024))
+    panels = cpu_kernels.pack(w)
+    self.assertGreaterEqual(panels.size * 4, cpu_kernels.PREFETCH_MIN_BYTES)
+    got = jax.jit(cpu_kernels.panel_matmul)(x, panels)
+    with mock.patch.object(cpu_kernels, "PREFETCH_MIN_BYTES", 1 << 62):
+      plain = jax.jit(lambda x, p: cpu_kernels.panel_matmul(x, p))(x, panels)
+    np.testing.assert_array_equal(got, plain)
+    np.testing.assert_allclose(got, np.asarray(x) @ np.asarray(w), rtol=2e-5, atol=2e-4)
+
   @parameterized.parameters((64, 96), (96, 1024))  # (96, 1024): past PARALLEL_MIN_WORK
   def test_a_row_does_not_depend_on_the_others(self, k, n):
     # Greedy speculative output equals greedy decoding only if the verify pass gives each

@@ -172,4 +172,5 @@ def test_kernel_floor_times_the_library_kernel(tmp_path):
   got = common.run_kernel_floor(exe, shapes, reps=2)
   assert got["macs_per_row"] == sum(k * n for k, n in shapes)
   assert set(got["rows"]) >= set(range(1, 10))
-  assert all(t["one_thread_us"] > 0 and t["two_threads_us"] > 0 for t in got["rows"].values())
+  assert all(min(t["one_thread_us"], t["two_threads_us"], t["no_prefetch_us"]) > 0
+             for t in got["rows"].values())

@@ -189,6 +189,11 @@ def _require():
 # Products of fewer multiply-adds than this (rows x K x N) run on the calling thread
 # alone: waking a pool thread costs more than it saves (the draft's). Read when traced.
 PARALLEL_MIN_WORK = 1 << 16
+# Products over at least this many bytes of panels prefetch their weights 4 KiB ahead
+# (`fewrow.cc` PanelRows): a matrix this large comes from memory, where that made 3-9
+# rows 15-25% faster; over weights that stay in the L3 (the shipped pair, 1 MiB at
+# most) it made them slower (docs/ARCHITECTURE.md, "Weights from memory").
+PREFETCH_MIN_BYTES = 2 << 20
 
 
 def _live(live) -> jax.Array:
@@ -221,7 +226,8 @@ def panel_matmul(x: jax.Array, panels: jax.Array, norm_scale=None, eps: float = 
   return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(
                               x, panels, scale, add, _live(live), parallel=parallel,
                               eps=np.float32(eps), gated=gated,
-                              period=np.int64(period if live is not None else 0))
+                              period=np.int64(period if live is not None else 0),
+                              ahead=panels.size * panels.dtype.itemsize >= PREFETCH_MIN_BYTES)
 
 
 def cached_attention(q, k, v, k_buf, v_buf, length) -> jax.Array:

@@ -100,17 +100,29 @@ constexpr int kRowGroup = 9;
 constexpr int kRowGroup = 6;
 #endif
 
+// How far ahead of its loads a product over weights from memory asks for them.
+constexpr int64_t kAheadBytes = 4096;
+
 // y[r, j0 : j0 + 16 P] for R rows from P consecutive panels p[P, K, 16]. Each output
 // column is summed over k in order whatever R and P are; P > 1 gives a few rows more
 // independent multiply-add chains (one row of one panel is two chains, each waiting
-// out the multiply-add latency at every k).
-template <int R, int P, typename W>
+// out the multiply-add latency at every k). Ahead: software prefetch kAheadBytes ahead
+// in every panel, once per cache line; for weights that come from memory, where the
+// hardware prefetcher fell behind a product of 3 or more rows (it only changes when
+// the bytes arrive, never the sums).
+template <int R, int P, typename W, bool Ahead>
 inline void PanelRows(const float* x, const W* p, float* y, const float* add,
                       int64_t K, int64_t N, int64_t j0) {
+  constexpr int64_t kRowBytes = kPanel * sizeof(W), kLine = 64 / kRowBytes;
   v8 acc[R][2 * P];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 2 * P; ++c) acc[r][c] = v8{};
   for (int64_t k = 0; k < K; ++k) {
+    if constexpr (Ahead) {
+      if (k % kLine == 0)
+        for (int c = 0; c < P; ++c)
+          __builtin_prefetch(p + (c * K + k + kAheadBytes / kRowBytes) * kPanel);
+    }
     v8 w[2 * P];
     for (int c = 0; c < P; ++c) {
       LoadPanel(p + (c * K + k) * kPanel, w[2 * c], w[2 * c + 1]);
@@ -141,32 +153,35 @@ constexpr int PanelsPerPass() {
 }
 
 // Columns [n0, n1) of y for R rows.
-template <int R, typename W>
+template <int R, typename W, bool Ahead>
 void Panels(const float* x, const W* p, float* y, const float* add, int64_t K,
             int64_t N, int64_t n0, int64_t n1) {
   constexpr int P = PanelsPerPass<R>();
   int64_t j = n0;
   for (; j + P * kPanel <= n1; j += P * kPanel)
-    PanelRows<R, P>(x, p + j * K, y, add, K, N, j);
-  for (; j < n1; j += kPanel) PanelRows<R, 1>(x, p + j * K, y, add, K, N, j);
+    PanelRows<R, P, W, Ahead>(x, p + j * K, y, add, K, N, j);
+  for (; j < n1; j += kPanel) PanelRows<R, 1, W, Ahead>(x, p + j * K, y, add, K, N, j);
 }
 
 template <typename W>
 using Kernel = void (*)(const float*, const W*, float*, const float*, int64_t, int64_t,
                         int64_t, int64_t);
-template <typename W>
-constexpr Kernel<W> kPanels[] = {Panels<1, W>, Panels<2, W>, Panels<3, W>,
-                                 Panels<4, W>, Panels<5, W>, Panels<6, W>,
-                                 Panels<7, W>, Panels<8, W>, Panels<9, W>};
+template <typename W, bool Ahead>
+constexpr Kernel<W> kPanels[] = {
+    Panels<1, W, Ahead>, Panels<2, W, Ahead>, Panels<3, W, Ahead>,
+    Panels<4, W, Ahead>, Panels<5, W, Ahead>, Panels<6, W, Ahead>,
+    Panels<7, W, Ahead>, Panels<8, W, Ahead>, Panels<9, W, Ahead>};
 // Columns [n0, n1): rows in groups of at most kRowGroup; a later group finds the
-// weights in cache.
+// weights in cache. ahead (a matrix too large to stay in cache): prefetch its weights
+// (PanelRows) for 3 or more rows; 1 or 2 rows keep up with the weights unaided, and
+// prefetching made them a few percent slower.
 template <typename W>
 void ByRowGroups(const float* x, const W* w, float* y, const float* add, int64_t rows,
-                 int64_t K, int64_t N, int64_t n0, int64_t n1) {
+                 int64_t K, int64_t N, int64_t n0, int64_t n1, bool ahead = false) {
+  const auto& kernels = ahead && rows >= 3 ? kPanels<W, true> : kPanels<W, false>;
   for (int64_t r0 = 0; r0 < rows; r0 += kRowGroup) {
     const int64_t r = std::min<int64_t>(kRowGroup, rows - r0);
-    kPanels<W>[r - 1](x + r0 * K, w, y + r0 * N, add ? add + r0 * N : nullptr, K, N, n0,
-                      n1);
+    kernels[r - 1](x + r0 * K, w, y + r0 * N, add ? add + r0 * N : nullptr, K, N, n0, n1);
   }
 }
 
@@ -281,10 +296,11 @@ inline int64_t InUse(const Live& live, int64_t period) {
 // (eps): the small ops around a product, done on its rows in the same pass instead of
 // in XLA thunks of their own. add [R, N] (or [0, 0]) is the residual stream. Of each
 // `period` rows (0: all R) only the first `live` are computed; the others are zeros.
+// ahead: prefetch the weights (PanelRows), for a matrix too large to stay in cache.
 template <typename PanelBuffer>
 ffi::Error PanelMatmul(ffi::ThreadPool pool, Rows x, PanelBuffer wp, Vec scale, Rows add,
                        Live live, Out y, bool parallel, float eps, bool gated,
-                       int64_t period) {
+                       int64_t period, bool ahead) {
   const auto xd = x.dimensions(), wd = wp.dimensions();
   const int64_t rows = xd[0], K = wd[1], N = wd[0] * kPanel;
   const bool norm = scale.dimensions()[0] > 0, residual = add.dimensions()[0] > 0;
@@ -331,12 +347,12 @@ ffi::Error PanelMatmul(ffi::ThreadPool pool, Rows x, PanelBuffer wp, Vec scale, 
   ForEach(pool, (N + chunk - 1) / chunk, [=](int64_t c) {
     const int64_t n0 = c * chunk, n1 = std::min(N, (c + 1) * chunk);
     if (used == per) {  // every row: row groups run across the periods
-      ByRowGroups(xp, w, yp, ap, rows, K, N, n0, n1);
+      ByRowGroups(xp, w, yp, ap, rows, K, N, n0, n1, ahead);
       return;
     }
     for (int64_t g = 0; g < groups; ++g)
       ByRowGroups(xp + g * per * K, w, yp + g * per * N, ap ? ap + g * per * N : nullptr,
-                  used, K, N, n0, n1);
+                  used, K, N, n0, n1, ahead);
   }, parallel);
   return ffi::Error::Success();
 }
@@ -660,7 +676,8 @@ auto PanelMatmulBinding() {
       .template Attr<bool>("parallel")
       .template Attr<float>("eps")
       .template Attr<bool>("gated")
-      .template Attr<int64_t>("period");
+      .template Attr<int64_t>("period")
+      .template Attr<bool>("ahead");
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxPanelLookup, PanelLookup<Panels3>,
