@@ -9,7 +9,7 @@ r"""Where the time of a cached forward goes, per op, for T new tokens; and v(γ)
   python -m experiments.profile_forward --trace=false --ops=false --max_gamma=4 --live_gamma=4  # narrowed passes
   python -m experiments.profile_forward --trace=false --ops=false --compare=false --products  # the kernels' own v(γ)
 
-Three tables, each from paired, interleaved timing (the machine is shared: nothing here
+Tables, each from paired, interleaved timing (the machine is shared: nothing here
 is a ratio of two separate runs; each ratio is the median of per-round ratios, with its
 min and max):
 
