@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-import shutil
 import statistics
 import subprocess
 import time
@@ -205,15 +204,21 @@ def compare_calls(target, prompts, base: dict, variants: dict[str, dict],
 KERNEL_FLOOR_SOURCE = Path(__file__).with_name("kernel_floor.cc")
 
 
-def panel_shapes(model) -> tuple[list[tuple[int, int]], bool]:
-  """[(K, N)] of every matrix a forward multiplies through specjax's kernel (the weights
-  `model.host_layout` lays out in panels), and whether they are bfloat16 panels."""
+def laid_out_panels(model) -> list:
+  """Every matrix a forward multiplies through specjax's kernel, as the panels
+  `model.host_layout` lays out ([N / 16, K, 16], float32 or bfloat16)."""
   from specjax.models import cpu_kernels
   from specjax.models import model as model_lib
   leaves = [leaf for leaf in jax.tree_util.tree_leaves(model_lib.host_layout(model.params))
             if leaf.ndim == 3 and leaf.shape[2] == cpu_kernels.PANEL]
   if not leaves:
     raise ValueError(f"no weights laid out in panels ({cpu_kernels.status()})")
+  return leaves
+
+
+def panel_shapes(model) -> tuple[list[tuple[int, int]], bool]:
+  """[(K, N)] of `laid_out_panels`, and whether they are bfloat16 panels."""
+  leaves = laid_out_panels(model)
   shapes = [(int(p.shape[1]), int(p.shape[0] * p.shape[2])) for p in leaves]
   return shapes, leaves[0].dtype == jnp.bfloat16
 
@@ -232,9 +237,7 @@ def build_kernel_floor(out_dir: str) -> Path:
   """Compiles kernel_floor.cc (the kernel of specjax/models/fewrow.cc in a C++ loop) with
   the flags specjax's own library is built with; returns the program's path."""
   from specjax.models import cpu_kernels
-  compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-  if compiler is None:
-    raise RuntimeError("no C++ compiler (set CXX, or install g++)")
+  compiler = cpu_kernels.compiler()
   flags = [f for f in cpu_kernels._flags() if f not in ("-shared", "-fPIC")]
   exe = Path(out_dir) / "kernel_floor"
   done = subprocess.run([compiler, *flags, "-pthread", str(KERNEL_FLOOR_SOURCE), "-o", str(exe)],

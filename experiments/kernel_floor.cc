@@ -115,12 +115,6 @@ double Forward(Team& team, int threads) {
   return Micros(start);
 }
 
-double Mean(const std::vector<double>& v) {
-  double s = 0;
-  for (double t : v) s += t;
-  return s / v.size();
-}
-
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];

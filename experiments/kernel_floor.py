@@ -26,13 +26,13 @@ for a 1-token step as fast as this one (docs/ARCHITECTURE.md).
 from __future__ import annotations
 
 import os
-import platform
 import tempfile
 
 from absl import app
 from absl import flags
 
 from experiments import common
+from specjax import costs
 from specjax.models import cpu_kernels
 from specjax.models.pretrained import load_pretrained
 
@@ -46,14 +46,6 @@ _D_FF = flags.DEFINE_integer("d_ff", 0, "SwiGLU hidden width of the --d_model sh
 _VOCAB = flags.DEFINE_integer("vocab", 0, "Vocabulary of the --d_model shapes.")
 _F32 = flags.DEFINE_bool("f32", False, "float32 panels (default: the layout specjax uses "
                          "for these weights, bfloat16 where every weight is one).")
-
-
-def cpu_model() -> str:
-  try:
-    with open("/proc/cpuinfo") as f:
-      return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-  except (OSError, StopIteration):
-    return platform.processor() or platform.machine()
 
 
 def main(argv):
@@ -75,7 +67,7 @@ def main(argv):
     got = common.run_kernel_floor(exe, shapes, bf16=bf16, reps=_REPS.value)
   peak, macs = got["peak_gflops_per_core"], got["macs_per_row"]
   cores = min(os.cpu_count() or 1, 2)  # the kernel splits its work over two threads
-  print(f"cpu: {cpu_model()} ({os.cpu_count()} cores); multiply-add peak "
+  print(f"cpu: {costs.machine_info()['cpu']} ({os.cpu_count()} cores); multiply-add peak "
         f"{peak:.1f} GFLOP/s per core (measured), {cores * peak:.1f} on {cores}")
   print(f"{name}: {len(shapes)} matrices, {macs / 1e6:.2f}M multiply-adds a row, "
         f"{got['weight_bytes'] / 2**20:.1f} MiB of {'bfloat16' if bf16 else 'float32'} "

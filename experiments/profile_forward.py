@@ -59,6 +59,7 @@ from absl import flags  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from experiments import common  # noqa: E402
 from specjax import costs  # noqa: E402
 from specjax import decode as decode_lib  # noqa: E402
 from specjax.models import cpu_kernels  # noqa: E402
@@ -129,14 +130,6 @@ def switched(off: bool):
           "rowwise": lambda: rowwise_max(0, kernels=False),
           "fused": lambda: rowwise_max(rows, fused=False),
           "bf16": lambda: rowwise_max(rows, bf16=False)}[_OFF.value]()
-
-
-def cpu_model() -> str:
-  try:
-    with open("/proc/cpuinfo") as f:
-      return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-  except (OSError, StopIteration):
-    return "?"
 
 
 def timed_loop(body, carry, iters):
@@ -332,7 +325,7 @@ def main(argv):
   cfg, batch, iters, pairs = model.config, _BATCH.value, _ITERS.value, _PAIRS.value
   context, cache = _CONTEXT.value, _CACHE.value
   ts = sorted({int(t) for t in _TOKENS.value} | {1})
-  print(f"cpu: {cpu_model()} (platform.processor()={platform.processor()!r}, "
+  print(f"cpu: {costs.machine_info()['cpu']} (platform.processor()={platform.processor()!r}, "
         f"{os.cpu_count()} cores); jax {jax.__version__} on {jax.default_backend()}; "
         f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
   print(f"{_TARGET.value}: {model.num_params / 1e6:.2f}M params, batch {batch}, cache "
@@ -502,9 +495,7 @@ def products_table(model, max_rows, iters, pairs):
     print(f"\n(products table skipped: specjax's kernels are not in use: "
           f"{cpu_kernels.status()})")
     return
-  laid = model_lib.host_layout(model.params)
-  panels = [leaf for leaf in jax.tree_util.tree_leaves(laid)
-            if leaf.ndim == 3 and leaf.shape[2] == cpu_kernels.PANEL]
+  panels = common.laid_out_panels(model)
   largest = max(panels, key=lambda p: p.size)
   macs = sum(p.shape[0] * p.shape[1] * p.shape[2] for p in panels)
   nbytes = sum(p.size * p.dtype.itemsize for p in panels)

@@ -80,20 +80,26 @@ def _existing_parent(path: str) -> str:
   return path
 
 
-def _build(path: pathlib.Path) -> None:
-  compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-  if compiler is None:
+def compiler() -> str:
+  """The C++ compiler the library is built with: $CXX, else c++ or g++ on the PATH."""
+  found = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+  if found is None:
     raise RuntimeError("no C++ compiler (set CXX, or install g++)")
+  return found
+
+
+def _build(path: pathlib.Path) -> None:
+  compiler_path = compiler()
   path.parent.mkdir(parents=True, exist_ok=True)
   # Build beside the target and rename: concurrent processes (pytest-xdist) never load
   # a half-written library.
   fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
   os.close(fd)
   try:
-    done = subprocess.run([compiler, *_flags(), str(SOURCE), "-o", tmp],
+    done = subprocess.run([compiler_path, *_flags(), str(SOURCE), "-o", tmp],
                           capture_output=True, text=True, timeout=300)
     if done.returncode:
-      raise RuntimeError(f"{compiler} failed on {SOURCE.name}:\n{done.stderr[-2000:]}")
+      raise RuntimeError(f"{compiler_path} failed on {SOURCE.name}:\n{done.stderr[-2000:]}")
     os.replace(tmp, path)
   finally:
     if os.path.exists(tmp):
