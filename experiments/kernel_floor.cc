@@ -74,12 +74,7 @@ void Columns(const Matrix& m, const float* x, float* y, int64_t rows, int64_t n0
     ByRowGroups<float>(x, m.w32.data(), y, nullptr, rows, m.K, m.N, n0, n1, ahead);
 }
 
-// PanelMatmul's split: up to 8 chunks of whole passes (4 panels), claimed in turn.
-int64_t ChunkColumns(const Matrix& m) {
-  return ((m.N / kPanel + 7) / 8 + 3) / 4 * 4 * kPanel;
-}
-
-// A second thread that claims chunks as PanelMatmul's helper does, but spins between
+// A second thread that claims chunks as PanelMatmul's pool thread does, but spins between
 // products (no wake-up latency): the best case for the two-thread split.
 struct Team {
   std::atomic<int64_t> generation{0}, finished{0};
@@ -93,7 +88,7 @@ struct Team {
   void Work() {
     for (size_t i = 0; i < mats->size(); ++i) {
       const Matrix& m = (*mats)[i];
-      const int64_t chunk = ChunkColumns(m), n = (m.N + chunk - 1) / chunk;
+      const int64_t chunk = ChunkColumns(m.N / kPanel), n = (m.N + chunk - 1) / chunk;
       for (int64_t c; (c = claims[i]->fetch_add(1)) < n;)
         Columns(m, x, y, rows, c * chunk, std::min(m.N, (c + 1) * chunk));
     }

@@ -83,8 +83,7 @@ def main(argv):
     print(f"| {r} | {t['one_thread_us']:.0f} | {two:.0f} | {2 * macs * r / two / 1e3:.1f} | "
           f"{got['weight_bytes'] / two / 1e3:.1f} | {two / one:.2f} | {floor:.0f} | "
           f"{floor / one:.2f} | {plain:.0f} | {plain / one_plain:.2f} |")
-  prefetched = sum(k * n * (2 if bf16 else 4) >= cpu_kernels.PREFETCH_MIN_BYTES
-                   for k, n in shapes)
+  prefetched = sum(cpu_kernels.prefetches(k * n * (2 if bf16 else 4)) for k, n in shapes)
   print(f"\n/ R = 1 is the products' v(γ) at γ = R - 1 with two threads; floor / R = 1 is "
         "the least it could be for a 1-row forward this fast, with every multiply-add at "
         f"the peak. {prefetched} of the {len(shapes)} matrices are at least "

@@ -202,6 +202,12 @@ PARALLEL_MIN_WORK = 1 << 16
 PREFETCH_MIN_BYTES = 2 << 20
 
 
+def prefetches(panel_bytes: int) -> bool:
+  """Whether a product over this many bytes of panels prefetches its weights (read
+  when traced; the kernel does it for 3 or more rows)."""
+  return panel_bytes >= PREFETCH_MIN_BYTES
+
+
 def _live(live) -> jax.Array:
   """A traced count of rows in use as the kernels' int32 [1] operand ([0]: all)."""
   if live is None:
@@ -233,7 +239,7 @@ def panel_matmul(x: jax.Array, panels: jax.Array, norm_scale=None, eps: float = 
                               x, panels, scale, add, _live(live), parallel=parallel,
                               eps=np.float32(eps), gated=gated,
                               period=np.int64(period if live is not None else 0),
-                              ahead=panels.size * panels.dtype.itemsize >= PREFETCH_MIN_BYTES)
+                              ahead=prefetches(panels.size * panels.dtype.itemsize))
 
 
 def cached_attention(q, k, v, k_buf, v_buf, length) -> jax.Array:

@@ -291,6 +291,10 @@ inline int64_t InUse(const Live& live, int64_t period) {
   return std::min<int64_t>(std::max<int32_t>(live.typed_data()[0], 0), period);
 }
 
+// Columns per chunk of a product over `panels` panels split between two threads: up to
+// 8 chunks of whole passes (4 panels).
+inline int64_t ChunkColumns(int64_t panels) { return ((panels + 7) / 8 + 3) / 4 * 4 * kPanel; }
+
 // y = in(x) · W (+ add), W in panels. in(x) is x; with `gated`, x = [gate | up] and
 // in(x) = silu(gate) · up (SwiGLU's hidden units); with a scale [K], RMSNorm of that
 // (eps): the small ops around a product, done on its rows in the same pass instead of
@@ -340,8 +344,7 @@ ffi::Error PanelMatmul(ffi::ThreadPool pool, Rows x, PanelBuffer wp, Vec scale, 
   const float* ap = residual ? add.typed_data() : nullptr;
   for (int64_t g = 0; g < groups; ++g)  // the rows not in use
     std::memset(yp + (g * per + used) * N, 0, (per - used) * N * sizeof(float));
-  // The columns in up to 8 chunks of whole passes (4 panels), or in one on one thread.
-  const int64_t chunk = parallel ? ((wd[0] + 7) / 8 + 3) / 4 * 4 * kPanel : N;
+  const int64_t chunk = parallel ? ChunkColumns(wd[0]) : N;
   const auto* w = wp.typed_data();
   if (used == 0) return ffi::Error::Success();
   ForEach(pool, (N + chunk - 1) / chunk, [=](int64_t c) {
