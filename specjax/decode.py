@@ -396,7 +396,30 @@ def laid_out(engine: Engine, weights: Weights) -> Weights:
     while len(_LAYOUTS) > _LAYOUTS_KEPT:
       _LAYOUTS.popitem(last=False)
     out.append(entry[1])
-  return Weights(target=out[0], draft=out[1])
+  return Weights(target=out[0], draft=_shared(weights, out[0], out[1]))
+
+
+def _shared(weights: Weights, target_out, draft_out):
+  """draft_out with each leaf that is one of the target's own arrays (a draft head's
+  embedding, final norm, LM head: `heads.shared_params`) replaced by the target's laid-out
+  copy, where the two copies are alike: one panel array in memory instead of two,
+  which both models' products then read from the same cache lines (EAGLE decode calls
+  2-4% shorter on a 2-core CPU, docs/ARCHITECTURE.md)."""
+  flat = jax.tree_util.tree_flatten_with_path
+  if not jax.tree_util.tree_leaves(draft_out):
+    return draft_out
+  target_in = {path: leaf for path, leaf in flat(weights.target)[0]}
+  target_laid = {path: leaf for path, leaf in flat(target_out)[0]}
+  draft_in = {path: leaf for path, leaf in flat(weights.draft)[0]}
+
+  def pick(path, leaf):
+    mine, theirs = draft_in.get(path), target_laid.get(path)
+    if (mine is not None and target_in.get(path) is mine and theirs is not None
+        and theirs.shape == leaf.shape and theirs.dtype == leaf.dtype):
+      return theirs
+    return leaf
+
+  return jax.tree_util.tree_map_with_path(pick, draft_out)
 
 
 # `decode`'s round limit when none is given: every row runs until it is done.

@@ -432,6 +432,31 @@ class LayoutTest(parameterized.TestCase):
     with mock.patch.object(decode_lib, "_LAYOUTS_KEPT", 0):
       self.assertEqual(specjax.generate(target, [[1, 2, 3]], **kw).tokens, first)
 
+  def test_a_head_reads_the_targets_laid_out_arrays(self):
+    # A draft head's params hold the target's own embedding, final norm and LM head
+    # (`Head.draft_params`): laid out, they are the target's laid-out arrays, not
+    # copies; an equal array that is not the target's own is laid out on its own.
+    from types import SimpleNamespace
+    from specjax.models import heads as heads_lib
+    engine = SimpleNamespace(mesh=None)
+    for name, head_key in (("gpt2", "embed"), ("llama_gqa", "lm_head")):  # tied, untied
+      target = tiny_model(**CONFIGS[name], seed=3)
+      hc = heads_lib.HeadConfig("eagle", target.config)
+      shared = {**heads_lib.init_params(hc, 1), **heads_lib.shared_params(target.params)}
+      copied = {**shared, head_key: jax.tree_util.tree_map(jnp.copy, shared[head_key])}
+      for draft, same in ((shared, True), (copied, False)):
+        decode_lib._LAYOUTS.clear()
+        laid = decode_lib.laid_out(engine, decode_lib.Weights(target=target.params,
+                                                              draft=draft))
+        panels = jax.tree_util.tree_leaves(laid.draft[head_key])[0]
+        theirs = jax.tree_util.tree_leaves(laid.target[head_key])[0]
+        self.assertEqual(panels.ndim, 3, name)  # the LM head's panels
+        self.assertEqual(panels is theirs, same, name)
+        np.testing.assert_array_equal(panels, theirs)
+        self.assertIs(laid.draft["final_norm"]["scale"], laid.target["final_norm"]["scale"])
+        self.assertEqual(laid.draft["fuse"]["kernel"].ndim, 3)  # the head's own: laid out
+    decode_lib._LAYOUTS.clear()
+
 
 if __name__ == "__main__":
   absltest.main()
