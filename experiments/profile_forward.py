@@ -8,6 +8,7 @@ r"""Where the time of a cached forward goes, per op, for T new tokens; and v(γ)
   python -m experiments.profile_forward --off=bf16 --rounds=none,ngram,model   # bfloat16 panels on / off
   python -m experiments.profile_forward --trace=false --ops=false --max_gamma=4 --live_gamma=4  # narrowed passes
   python -m experiments.profile_forward --trace=false --ops=false --compare=false --products  # the kernels' own v(γ)
+  python -m experiments.profile_forward --trace=false --ops=false --compare=false --max_gamma=1 --floor_tokens=0 --parts=none,ngram:2,model:1,eagle:1
 
 Tables, each from paired, interleaved timing (the machine is shared: nothing here
 is a ratio of two separate runs; each ratio is the median of per-round ratios, with its
@@ -37,6 +38,8 @@ min and max):
    number of products over the largest matrix alone (warm in cache: what the
    arithmetic allows). Their v(γ) is the part of v(γ) no change outside the kernel
    can lower.
+7. With --parts: decode rounds against their parts in 1-token steps (`costs.round_parts`:
+   the round, `propose`, the verify pass, and the rest), each drafter:γ listed.
 """
 
 from __future__ import annotations
@@ -95,6 +98,10 @@ _ROWWISE = flags.DEFINE_integer("rowwise_max_rows", None, "Override "
 _ROUNDS = flags.DEFINE_list("rounds", [], "Drafters (none, ngram, model) whose decode "
                             "rounds, γ = 4, T = 0, are timed with --off's choice on and off.")
 _DRAFT = flags.DEFINE_string("draft", "stdlib-draft", "Draft model for --rounds=model.")
+_PARTS = flags.DEFINE_list("parts", [], "Decode rounds against their parts (propose, "
+                           "verify pass, the rest), T = 0, on a held-out prompt: drafter:γ "
+                           "entries, e.g. none,ngram:2,model:1,eagle:1 (heads: stdlib-eagle, "
+                           "stdlib-medusa; the model: --draft).")
 _LIVE = flags.DEFINE_integer("live_gamma", 0, "Also time the (γ+1)-token pass computing "
                              "only L + 1 tokens, L = 0..γ (0: off).")
 _PRODUCTS = flags.DEFINE_bool("products", False, "Also time the forward's matrix products "
@@ -442,6 +449,9 @@ def main(argv):
   if _ROUNDS.value:
     round_table(model, context, pairs)
 
+  if _PARTS.value:
+    parts_table(model, pairs)
+
 
 def live_table(model, batch, context, cache, iters, pairs, gamma):
   """The (γ+1)-token pass with L + 1 live tokens and the whole (L+1)-token pass, each
@@ -547,6 +557,34 @@ def round_table(model, context, pairs, rounds=16):
     print(f"| {name} | {statistics.median(got['method_s']) / rounds * 1e3:.3f} | "
           f"{statistics.median(got['baseline_s']) / rounds * 1e3:.3f} | "
           f"{1 / got['ratio']:.2f} ({1 / got['ratio_max']:.2f}-{1 / got['ratio_min']:.2f}) |")
+
+
+HEADS = {"eagle": "stdlib-eagle", "medusa": "stdlib-medusa"}
+
+
+def parts_table(model, pairs, rounds=24, prompt_tokens=64):
+  """`costs.round_parts` of each --parts entry: where a round's time goes, in steps."""
+  prompt = common.heldout_prompts(model.tokenizer, "stdlib", 1, prompt_tokens)
+  print("\n| drafter | γ | round | propose | verify pass | rest | 1-token step |\n"
+        "|---|---|---|---|---|---|---|")
+  for entry in _PARTS.value:
+    name, _, gamma = entry.partition(":")
+    gamma = int(gamma) if gamma else (0 if name == "none" else 4)
+    # Room for every timed round, however many tokens each commits.
+    kw = dict(max_new_tokens=rounds * (gamma + 1) + 8, temperature=0.0)
+    if name != "none":
+      kw.update(drafter=name, gamma=gamma)
+    if name in HEADS:
+      kw["draft"] = load_pretrained(HEADS[name])
+    elif name == "model":
+      kw["draft"] = load_pretrained(_DRAFT.value)
+    prepared = costs._prepare(model, prompt, kw)
+    # About halfway through the timed rounds' history.
+    parts = costs.round_parts(model, prepared, context=prompt_tokens + rounds,
+                              repeats=pairs, rounds=rounds)
+    cell = lambda k: f"{parts[k]:.2f} ({parts[k + '_min']:.2f}-{parts[k + '_max']:.2f})"
+    print(f"| {name} | {prepared.engine.gamma} | {cell('round')} | {cell('propose')} | "
+          f"{cell('verify')} | {cell('rest')} | {parts['step_s'] * 1e3:.3f} ms |")
 
 
 if __name__ == "__main__":

@@ -260,6 +260,59 @@ def round_timer(prepared, rounds: int = 16) -> Callable[[], float]:
   return loop_timer(loop, state, calls=rounds)
 
 
+def rounds_timer(prepared, few: int = 8, many: int = 24) -> Callable[[], float]:
+  """() -> seconds per decode round: `round_timer` loops of `few` and of `many` rounds
+  from the same prefilled state, timed one after the other and differenced, so what a
+  call costs besides its rounds (dispatch, the state's buffers) cancels. Its
+  max_new_tokens must leave room for `many` rounds."""
+  loops = round_timer(prepared, few), round_timer(prepared, many)
+
+  def run() -> float:
+    t_few, t_many = (loop() for loop in loops)
+    return (t_many * many - t_few * few) / (many - few)
+
+  return run
+
+
+def round_parts(target, prepared, context: int, repeats: int = 5, rounds: int = 24,
+                temperature: float = 0.0) -> dict:
+  """A decode round against its parts, in 1-token steps of the target.
+
+  round: a decode round (draft, verify, commit; `rounds_timer` of `rounds` // 3 and
+  `rounds` rounds); propose: one `drafter.propose`
+  (γ tokens, sampling included); verify: the (γ+1)-token pass (N + 1 for a tree);
+  rest = round - propose - verify: the round's own verification, sampling and commit,
+  and whatever the parts cost more together than apart (their weights sharing the
+  cache), less what the timing loops add to the parts (each forward's argmax and
+  rollback): it can come out below 0. The loops are timed in turn, `repeats` rounds, each at `context` tokens of
+  history; every value is the median of per-round ratios to that round's step (with
+  `_min` and `_max`). Target-only (γ = 0): propose 0, and the pass is the step itself.
+  """
+  drafter = prepared.engine.drafter
+  cache = prepared.cache_size
+  timers = {"step": forward_timer(target, 1, 1, context=context, cache_size=cache),
+            "round": rounds_timer(prepared, rounds // 3, rounds)}
+  if drafter.gamma > 0:
+    tree = getattr(drafter, "tree", None)
+    width = drafter.gamma + 1 if tree is None else tree.num_nodes + 1
+    timers["verify"] = forward_timer(target, 1, width, context=context, cache_size=cache)
+    timers["propose"] = propose_timer(drafter, prepared.weights.draft, 1,
+                                      target.config.vocab_size, context=context,
+                                      temperature=temperature)
+  times = {name: [] for name in timers}
+  for _ in range(max(repeats, 1)):
+    for name, run in timers.items():
+      times[name].append(run())
+  times.setdefault("verify", times["step"])
+  times.setdefault("propose", [0.0] * len(times["step"]))
+  out = {"step_s": statistics.median(times["step"])}
+  for name in ("round", "propose", "verify"):
+    out.update(_median_range([t / s for t, s in zip(times[name], times["step"])], name))
+  rest = [(r - p - v) / s for r, p, v, s in zip(times["round"], times["propose"],
+                                               times["verify"], times["step"])]
+  return {**out, **_median_range(rest, "rest")}
+
+
 # `specjax.generate`'s defaults for the arguments `prepare` requires.
 GENERATE_DEFAULTS = dict(temperature=0.0, top_k=0, top_p=1.0, eos_id=None)
 

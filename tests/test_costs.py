@@ -115,3 +115,36 @@ def test_forward_timer_times_a_narrowed_pass():
                                                               live=jnp.int32(2)))(params, kv, tokens)
   if cpu_kernels.available():
     assert bool(jnp.all(logits[:, 2:] == 0)) and not bool(jnp.all(logits[:, :2] == 0))
+
+
+def test_round_parts_price_a_round_in_steps_of_its_own_round(monkeypatch):
+  # Loops timed in turn: step, round (as rounds_timer differences it), verify, propose.
+  # Repeat 2 ran twice as slow for every loop; repeat 3 had a slow round only.
+  step, rounds = [1.0, 2.0, 1.0], [2.0, 4.0, 3.0]
+  verify, propose = [1.25, 2.5, 1.25], [0.5, 1.0, 0.5]
+  monkeypatch.setattr(costs, "forward_timer", lambda model, batch, t, **kw: scripted(
+      step if t == 1 else verify))
+  monkeypatch.setattr(costs, "rounds_timer", lambda prepared, few, many: scripted(rounds))
+  monkeypatch.setattr(costs, "propose_timer", lambda *a, **kw: scripted(propose))
+  target = types.SimpleNamespace(config=types.SimpleNamespace(vocab_size=8))
+  prepared = types.SimpleNamespace(cache_size=64, weights=types.SimpleNamespace(draft=None),
+                                   engine=types.SimpleNamespace(
+                                       drafter=types.SimpleNamespace(gamma=2)))
+  parts = costs.round_parts(target, prepared, context=16, repeats=3)
+  assert (parts["round"], parts["round_max"]) == (2.0, 3.0)
+  assert parts["verify"] == 1.25 and parts["propose"] == 0.5
+  assert parts["rest"] == 0.25 and parts["rest_max"] == 1.25
+  # Target-only (γ = 0): no propose, and the pass is the step itself.
+  monkeypatch.setattr(costs, "rounds_timer", lambda prepared, few, many: scripted(rounds))
+  monkeypatch.setattr(costs, "forward_timer", lambda model, batch, t, **kw: scripted(step))
+  prepared.engine.drafter.gamma = 0
+  parts = costs.round_parts(target, prepared, context=16, repeats=3)
+  assert parts["propose"] == 0.0 and parts["verify"] == 1.0 and parts["rest"] == 1.0
+
+
+def test_rounds_timer_differences_two_loops(monkeypatch):
+  # Loops of 8 and 24 rounds, each with a fixed 1.6 s besides its rounds of 0.5 s:
+  # per round as round_timer reports it, (1.6 + 8 * 0.5) / 8 and (1.6 + 24 * 0.5) / 24.
+  per_round = {8: (1.6 + 4.0) / 8, 24: (1.6 + 12.0) / 24}
+  monkeypatch.setattr(costs, "round_timer", lambda prepared, rounds: lambda: per_round[rounds])
+  assert abs(costs.rounds_timer(None, 8, 24)() - 0.5) < 1e-12
