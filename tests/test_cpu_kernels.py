@@ -86,7 +86,8 @@ class KernelTest(parameterized.TestCase):
       np.testing.assert_array_equal(together, alone)
 
   @parameterized.parameters((1, 4, 2, 8, 1.0), (5, 4, 4, 64, 1.0), (3, 6, 2, 32, 1.0),
-                            (2, 2, 1, 128, 1.0), (4, 4, 2, 64, 30.0))
+                            (2, 2, 1, 128, 1.0), (4, 4, 2, 64, 30.0), (3, 4, 2, 48, 1.0),
+                            (2, 2, 1, 80, 1.0))
   def test_cached_attention_is_attend(self, t, h, kvh, d, spread):
     # GQA, an odd number of query rows per KV head (3 x 3), a row with an empty cache,
     # stale NaN slots past each row's length, which the kernel must never read, and
@@ -116,11 +117,12 @@ class KernelTest(parameterized.TestCase):
     np.testing.assert_allclose(layers.attend(q, k, v, cache, cpu_kernel=True),
                                layers.attend(q, k, v, cache), rtol=1e-6)
 
-  @parameterized.parameters((4, 2), (3, 1))  # (3, 1): a query row paired at T = 4, alone at 1
-  def test_an_attention_row_is_the_1_token_step_at_its_position(self, h, kvh):
+  # (3, 1): a query row paired at T = 4, alone at 1; d = 48: the shipped draft's heads.
+  @parameterized.parameters((4, 2, 64), (3, 1, 64), (4, 2, 48))
+  def test_an_attention_row_is_the_1_token_step_at_its_position(self, h, kvh, d):
     # T new tokens at once, or one at a time with each written to the cache first: the
     # same bits (greedy speculative output equals greedy decoding).
-    b, t, d, s, n = 2, 4, 64, 16, 5
+    b, t, s, n = 2, 4, 16, 5
     keys = jax.random.split(jax.random.PRNGKey(9), 5)
     q = jax.random.normal(keys[0], (b, t, h, d))
     k, v = (jax.random.normal(keys[i], (b, t, kvh, d)) for i in (1, 2))

@@ -485,9 +485,13 @@ void AttendHead(const float* q, const float* kn, const float* vn, const float* k
     const float inv = 1.f / Sum(total);
     for (int64_t j = 0; j < seen[r]; ++j) sc[j] *= inv;
   }
-  switch (D) {
+  switch (D) {  // in vectors for the common head dims (48: the shipped draft's)
+    case 16: WeightedSums<2>(w, seen, value, o, rows); break;
     case 32: WeightedSums<4>(w, seen, value, o, rows); break;
+    case 48: WeightedSums<6>(w, seen, value, o, rows); break;
     case 64: WeightedSums<8>(w, seen, value, o, rows); break;
+    case 80: WeightedSums<10>(w, seen, value, o, rows); break;
+    case 96: WeightedSums<12>(w, seen, value, o, rows); break;
     case 128: WeightedSums<16>(w, seen, value, o, rows); break;
     default:
       for (int64_t r = 0; r < rows; ++r) {
