@@ -279,14 +279,14 @@ def round_parts(target, prepared, context: int, repeats: int = 5, rounds: int = 
   """A decode round against its parts, in 1-token steps of the target.
 
   round: a decode round (draft, verify, commit; `rounds_timer` of `rounds` // 3 and
-  `rounds` rounds); propose: one `drafter.propose`
-  (γ tokens, sampling included); verify: the (γ+1)-token pass (N + 1 for a tree);
-  rest = round - propose - verify: the round's own verification, sampling and commit,
-  and whatever the parts cost more together than apart (their weights sharing the
-  cache), less what the timing loops add to the parts (each forward's argmax and
-  rollback): it can come out below 0. The loops are timed in turn, `repeats` rounds, each at `context` tokens of
-  history; every value is the median of per-round ratios to that round's step (with
-  `_min` and `_max`). Target-only (γ = 0): propose 0, and the pass is the step itself.
+  `rounds` rounds); propose: one `drafter.propose` (γ tokens, sampling included);
+  verify: the (γ+1)-token pass (N + 1 for a tree); rest = round - propose - verify:
+  the round's own verification, sampling and commit, and whatever the parts cost more
+  together than apart (their weights sharing the cache), less what the timing loops add
+  to the parts (each forward's argmax and rollback), so it can come out below 0.
+  The loops are timed in turn, `repeats` rounds, each at `context` tokens of history;
+  every value is the median of per-round ratios to that round's step (with `_min` and
+  `_max`). Target-only (γ = 0): propose 0, and the pass is the step itself.
   """
   drafter = prepared.engine.drafter
   cache = prepared.cache_size

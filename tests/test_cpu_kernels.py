@@ -457,6 +457,9 @@ class LayoutTest(parameterized.TestCase):
         np.testing.assert_array_equal(panels, theirs)
         self.assertIs(laid.draft["final_norm"]["scale"], laid.target["final_norm"]["scale"])
         self.assertEqual(laid.draft["fuse"]["kernel"].ndim, 3)  # the head's own: laid out
+        again = decode_lib.laid_out(engine, decode_lib.Weights(target=target.params,
+                                                               draft=draft))
+        self.assertIs(again.draft, laid.draft)  # kept for the next call
     decode_lib._LAYOUTS.clear()
 
 
