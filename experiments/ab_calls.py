@@ -35,13 +35,11 @@ _PROMPT_TOKENS = flags.DEFINE_integer("prompt_tokens", 64, "Tokens per prompt.")
 _NEW = flags.DEFINE_integer("max_new_tokens", 64, "New tokens per call.")
 _OUT = flags.DEFINE_string("out", None, "Write the results as JSON here.")
 
-DEFAULT_DRAFTS = {"model": "stdlib-draft", "eagle": "stdlib-eagle", "medusa": "stdlib-medusa"}
-
 
 def main(argv):
   del argv
   drafter = _DRAFTER.value
-  draft_name = _DRAFT.value or DEFAULT_DRAFTS.get(drafter)
+  draft_name = _DRAFT.value or common.DEFAULT_DRAFTS.get(drafter)
   target, draft = common.load_pair(_TARGET.value, draft_name)
   prompts = common.heldout_prompts(target.tokenizer, "stdlib", _PROMPTS.value,
                                    _PROMPT_TOKENS.value)

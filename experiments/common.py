@@ -20,6 +20,9 @@ from specjax.models import heads as heads_lib
 from specjax.models.pretrained import load_pretrained
 
 
+# The shipped draft of each drafter that needs one.
+DEFAULT_DRAFTS = {"model": "stdlib-draft", "eagle": "stdlib-eagle", "medusa": "stdlib-medusa"}
+
 # Every history-dependent processor but the automaton, for their share of a round.
 PROCESSORS = dict(repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty=0.1,
                   no_repeat_ngram_size=3, min_new_tokens=4, logit_bias={0: -1.0})

@@ -559,9 +559,6 @@ def round_table(model, context, pairs, rounds=16):
           f"{1 / got['ratio']:.2f} ({1 / got['ratio_max']:.2f}-{1 / got['ratio_min']:.2f}) |")
 
 
-HEADS = {"eagle": "stdlib-eagle", "medusa": "stdlib-medusa"}
-
-
 def parts_table(model, pairs, rounds=24, prompt_tokens=64):
   """`costs.round_parts` of each --parts entry: where a round's time goes, in steps."""
   prompt = common.heldout_prompts(model.tokenizer, "stdlib", 1, prompt_tokens)
@@ -574,10 +571,9 @@ def parts_table(model, pairs, rounds=24, prompt_tokens=64):
     kw = dict(max_new_tokens=rounds * (gamma + 1) + 8, temperature=0.0)
     if name != "none":
       kw.update(drafter=name, gamma=gamma)
-    if name in HEADS:
-      kw["draft"] = load_pretrained(HEADS[name])
-    elif name == "model":
-      kw["draft"] = load_pretrained(_DRAFT.value)
+    if name in common.DEFAULT_DRAFTS:
+      kw["draft"] = load_pretrained(_DRAFT.value if name == "model"
+                                    else common.DEFAULT_DRAFTS[name])
     prepared = costs._prepare(model, prompt, kw)
     # About halfway through the timed rounds' history.
     parts = costs.round_parts(model, prepared, context=prompt_tokens + rounds,
