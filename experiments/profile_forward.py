@@ -95,9 +95,11 @@ _OFF = flags.DEFINE_enum("off", "kernels", ["kernels", "rowwise", "fused", "bf16
                          "panels for bfloat16-valued weights).")
 _ROWWISE = flags.DEFINE_integer("rowwise_max_rows", None, "Override "
                                 "model.CPU_ROWWISE_MAX_ROWS for everything timed.")
-_ROUNDS = flags.DEFINE_list("rounds", [], "Drafters (none, ngram, model) whose decode "
-                            "rounds, γ = 4, T = 0, are timed with --off's choice on and off.")
-_DRAFT = flags.DEFINE_string("draft", "stdlib-draft", "Draft model for --rounds=model.")
+_ROUNDS = flags.DEFINE_list("rounds", [], "Drafters (none, ngram, model, eagle, medusa) "
+                            "whose decode rounds, γ = 4, T = 0, are timed with --off's "
+                            "choice on and off.")
+_DRAFT = flags.DEFINE_string("draft", "stdlib-draft", "Draft model for the model drafter "
+                             "(--rounds, --parts).")
 _PARTS = flags.DEFINE_list("parts", [], "Decode rounds against their parts (propose, "
                            "verify pass, the rest), T = 0, on a held-out prompt: drafter:γ "
                            "entries, e.g. none,ngram:2,model:1,eagle:1 (heads: stdlib-eagle, "
@@ -536,19 +538,26 @@ def products_table(model, max_rows, iters, pairs):
           f"{2 * warm_macs * r / w / 1e9:.1f} |")
 
 
+def prepared_rounds(model, prompt, name, gamma, rounds):
+  """`generation.prepare` of a T = 0 call of drafter `name` (none: target-only) at γ,
+  with room for `rounds` rounds however many tokens each commits; the model drafter's
+  draft is --draft, a head's the shipped one."""
+  kw = dict(max_new_tokens=rounds * (gamma + 1) + 8, temperature=0.0)
+  if name != "none":
+    kw.update(drafter=name, gamma=gamma)
+  if name in common.DEFAULT_DRAFTS:
+    kw["draft"] = load_pretrained(_DRAFT.value if name == "model"
+                                  else common.DEFAULT_DRAFTS[name])
+  return costs._prepare(model, prompt, kw)
+
+
 def round_table(model, context, pairs, rounds=16):
   """Decode rounds per drafter with specjax's CPU kernels on / off, paired."""
   prompt = jax.random.randint(jax.random.PRNGKey(0), (1, context), 0,
                               model.config.vocab_size).tolist()
   print(f"\n| drafter | round ms | {_OFF.value} off | now / off |\n|---|---|---|---|")
   for name in _ROUNDS.value:
-    kw = dict(max_new_tokens=rounds * 5 + 8, temperature=0.0, top_k=0, top_p=1.0,
-              eos_id=None)
-    if name != "none":
-      kw.update(drafter=name, gamma=4)
-    if name == "model":
-      kw["draft"] = load_pretrained(_DRAFT.value)
-    prepared = costs._prepare(model, prompt, kw)
+    prepared = prepared_rounds(model, prompt, name, 0 if name == "none" else 4, rounds)
     timers = {}
     for on in (True, False):
       with switched(not on):
@@ -567,14 +576,7 @@ def parts_table(model, pairs, rounds=24, prompt_tokens=64):
   for entry in _PARTS.value:
     name, _, gamma = entry.partition(":")
     gamma = int(gamma) if gamma else (0 if name == "none" else 4)
-    # Room for every timed round, however many tokens each commits.
-    kw = dict(max_new_tokens=rounds * (gamma + 1) + 8, temperature=0.0)
-    if name != "none":
-      kw.update(drafter=name, gamma=gamma)
-    if name in common.DEFAULT_DRAFTS:
-      kw["draft"] = load_pretrained(_DRAFT.value if name == "model"
-                                    else common.DEFAULT_DRAFTS[name])
-    prepared = costs._prepare(model, prompt, kw)
+    prepared = prepared_rounds(model, prompt, name, gamma, rounds)
     # About halfway through the timed rounds' history.
     parts = costs.round_parts(model, prepared, context=prompt_tokens + rounds,
                               repeats=pairs, rounds=rounds)

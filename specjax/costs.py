@@ -180,6 +180,12 @@ def _median_range(values, name: str) -> dict:
           f"{name}_max": max(values)}
 
 
+def verify_width(drafter) -> int:
+  """Tokens in the drafter's verify pass: γ + 1, or N + 1 for a tree of N nodes."""
+  tree = getattr(drafter, "tree", None)
+  return drafter.gamma + 1 if tree is None else tree.num_nodes + 1
+
+
 def step_costs(target, drafter, draft_params, batch: int, context: int,
                temperature: float = 1.0, repeats: int = 5) -> dict:
   """The ledger's costs, with the one definition of c used everywhere.
@@ -192,8 +198,7 @@ def step_costs(target, drafter, draft_params, batch: int, context: int,
   `v_min`, `v_max`), so a machine that slows down for a while moves both sides alike.
   """
   gamma = drafter.gamma
-  tree = getattr(drafter, "tree", None)
-  width = gamma + 1 if tree is None else tree.num_nodes + 1  # tokens in the verify pass
+  width = verify_width(drafter)
   cache = context + width + 130
   step = forward_timer(target, batch, 1, context=context, cache_size=cache)
   verify = forward_timer(target, batch, width, context=context, cache_size=cache)
@@ -274,12 +279,12 @@ def rounds_timer(prepared, few: int = 8, many: int = 24) -> Callable[[], float]:
   return run
 
 
-def round_parts(target, prepared, context: int, repeats: int = 5, rounds: int = 24,
-                temperature: float = 0.0) -> dict:
+def round_parts(target, prepared, context: int, repeats: int = 5, rounds: int = 24) -> dict:
   """A decode round against its parts, in 1-token steps of the target.
 
   round: a decode round (draft, verify, commit; `rounds_timer` of `rounds` // 3 and
-  `rounds` rounds); propose: one `drafter.propose` (γ tokens, sampling included);
+  `rounds` rounds); propose: one `drafter.propose` (γ tokens, sampling included, at the
+  call's highest temperature);
   verify: the (γ+1)-token pass (N + 1 for a tree); rest = round - propose - verify:
   the round's own verification, sampling and commit, and whatever the parts cost more
   together than apart (their weights sharing the cache), less what the timing loops add
@@ -293,12 +298,11 @@ def round_parts(target, prepared, context: int, repeats: int = 5, rounds: int = 
   timers = {"step": forward_timer(target, 1, 1, context=context, cache_size=cache),
             "round": rounds_timer(prepared, rounds // 3, rounds)}
   if drafter.gamma > 0:
-    tree = getattr(drafter, "tree", None)
-    width = drafter.gamma + 1 if tree is None else tree.num_nodes + 1
-    timers["verify"] = forward_timer(target, 1, width, context=context, cache_size=cache)
-    timers["propose"] = propose_timer(drafter, prepared.weights.draft, 1,
-                                      target.config.vocab_size, context=context,
-                                      temperature=temperature)
+    timers["verify"] = forward_timer(target, 1, verify_width(drafter), context=context,
+                                     cache_size=cache)
+    timers["propose"] = propose_timer(
+        drafter, prepared.weights.draft, 1, target.config.vocab_size, context=context,
+        temperature=float(jnp.max(jnp.asarray(prepared.sampling.temperature))))
   times = {name: [] for name in timers}
   for _ in range(max(repeats, 1)):
     for name, run in timers.items():

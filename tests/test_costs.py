@@ -125,15 +125,20 @@ def test_round_parts_price_a_round_in_steps_of_its_own_round(monkeypatch):
   monkeypatch.setattr(costs, "forward_timer", lambda model, batch, t, **kw: scripted(
       step if t == 1 else verify))
   monkeypatch.setattr(costs, "rounds_timer", lambda prepared, few, many: scripted(rounds))
-  monkeypatch.setattr(costs, "propose_timer", lambda *a, **kw: scripted(propose))
   target = types.SimpleNamespace(config=types.SimpleNamespace(vocab_size=8))
   prepared = types.SimpleNamespace(cache_size=64, weights=types.SimpleNamespace(draft=None),
+                                   sampling=types.SimpleNamespace(temperature=[0.0, 0.7]),
                                    engine=types.SimpleNamespace(
                                        drafter=types.SimpleNamespace(gamma=2)))
+  drafted_at = []
+  monkeypatch.setattr(costs, "propose_timer", lambda *a, temperature, **kw: (
+      drafted_at.append(temperature), scripted(propose))[1])
   parts = costs.round_parts(target, prepared, context=16, repeats=3)
   assert (parts["round"], parts["round_max"]) == (2.0, 3.0)
   assert parts["verify"] == 1.25 and parts["propose"] == 0.5
   assert parts["rest"] == 0.25 and parts["rest_max"] == 1.25
+  # The call's highest temperature (its rows that sample), as float32 holds it.
+  assert len(drafted_at) == 1 and abs(drafted_at[0] - 0.7) < 1e-6
   # Target-only (γ = 0): no propose, and the pass is the step itself.
   monkeypatch.setattr(costs, "rounds_timer", lambda prepared, few, many: scripted(rounds))
   monkeypatch.setattr(costs, "forward_timer", lambda model, batch, t, **kw: scripted(step))

@@ -87,7 +87,7 @@ class KernelTest(parameterized.TestCase):
 
   @parameterized.parameters((1, 4, 2, 8, 1.0), (5, 4, 4, 64, 1.0), (3, 6, 2, 32, 1.0),
                             (2, 2, 1, 128, 1.0), (4, 4, 2, 64, 30.0), (3, 4, 2, 48, 1.0),
-                            (2, 2, 1, 80, 1.0))
+                            (2, 2, 1, 80, 1.0), (1, 2, 2, 96, 1.0))
   def test_cached_attention_is_attend(self, t, h, kvh, d, spread):
     # GQA, an odd number of query rows per KV head (3 x 3), a row with an empty cache,
     # stale NaN slots past each row's length, which the kernel must never read, and
