@@ -10,6 +10,7 @@ share = 1 - (round without) / (round with). Issue #10's goal: <= 10%.
 from __future__ import annotations
 
 import json
+import statistics
 
 from absl import app
 from absl import flags
@@ -38,10 +39,10 @@ def main(argv):
       on = costs.round_timer(prepare(target, prompts[:batch], **kw, **common.PROCESSORS),
                              ROUNDS)
       off = costs.round_timer(prepare(target, prompts[:batch], **kw), ROUNDS)
-      t = costs.paired(on, off, pairs=_PAIRS.value)  # ratio = off / on
+      t = costs.paired(on, off, pairs=_PAIRS.value, timers=True)  # ratio = off / on
       row = dict(batch=batch, temperature=temperature, gamma=_GAMMA.value,
-                 round_ms=min(t["baseline_s"]) / ROUNDS * 1e3,
-                 round_with_processors_ms=min(t["method_s"]) / ROUNDS * 1e3,
+                 round_ms=statistics.median(t["baseline_s"]) * 1e3,
+                 round_with_processors_ms=statistics.median(t["method_s"]) * 1e3,
                  share=1 - t["ratio"], share_min=1 - t["ratio_max"],
                  share_max=1 - t["ratio_min"], machine=costs.machine_info())
       rows.append(row)

@@ -143,8 +143,8 @@ def switched(off: bool):
 
 def timed_loop(body, carry, iters):
   """`costs.loop_timer` of `iters` calls of body(carry) -> carry."""
-  loop = jax.jit(lambda c: jax.lax.fori_loop(0, iters, lambda _, c: body(c), c))
-  return costs.loop_timer(loop, carry, calls=iters)
+  loop = jax.jit(lambda n, c: jax.lax.fori_loop(0, n, lambda _, c: body(c), c))
+  return costs.loop_timer(loop, carry, many=iters)
 
 
 def forward_timer(model, batch, t, context, cache_size, iters, live=None):
@@ -562,9 +562,9 @@ def round_table(model, context, pairs, rounds=16):
     for on in (True, False):
       with switched(not on):
         timers[on] = costs.round_timer(prepared, rounds)
-    got = costs.paired(timers[True], timers[False], pairs=pairs)
-    print(f"| {name} | {statistics.median(got['method_s']) / rounds * 1e3:.3f} | "
-          f"{statistics.median(got['baseline_s']) / rounds * 1e3:.3f} | "
+    got = costs.paired(timers[True], timers[False], pairs=pairs, timers=True)
+    print(f"| {name} | {statistics.median(got['method_s']) * 1e3:.3f} | "
+          f"{statistics.median(got['baseline_s']) * 1e3:.3f} | "
           f"{1 / got['ratio']:.2f} ({1 / got['ratio_max']:.2f}-{1 / got['ratio_min']:.2f}) |")
 
 

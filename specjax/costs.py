@@ -28,11 +28,13 @@ from specjax.processors.sampling import Sampling, argmax
 
 
 def paired(method: Callable[[], object], baseline: Callable[[], object], pairs: int = 3,
-           warmup: int = 1) -> dict:
+           warmup: int = 1, timers: bool = False) -> dict:
   """Times `method` and `baseline` alternately; ratio = baseline time / method time.
 
-  Each call must block until its work is done. Returns the per-pair times and the
-  median, min and max of the per-pair ratios (> 1: the method is faster).
+  Each call must block until its work is done. timers=True: each call returns its own
+  time (a `loop_timer`), which is used instead of the call's wall time. Returns the
+  per-pair times and the median, min and max of the per-pair ratios (> 1: the method is
+  faster).
   """
   for _ in range(warmup):
     method()
@@ -43,8 +45,8 @@ def paired(method: Callable[[], object], baseline: Callable[[], object], pairs: 
     order = ((method, method_s), (baseline, baseline_s))
     for fn, out in (order if i % 2 == 0 else order[::-1]):
       start = time.perf_counter()
-      fn()
-      out.append(time.perf_counter() - start)
+      got = fn()
+      out.append(got if timers else time.perf_counter() - start)
   ratios = [b / m for m, b in zip(method_s, baseline_s)]
   return {"method_s": method_s, "baseline_s": baseline_s,
           "ratio": statistics.median(ratios), "ratio_min": min(ratios),
@@ -78,20 +80,33 @@ def forward_flops(config, tokens: int, context: int) -> float:
   return 2.0 * per_token * tokens
 
 
-def loop_timer(loop, *args, calls: int = 1) -> Callable[[], float]:
-  """Compiles and warms loop(*args); returns () -> seconds per call of one timed run.
+def loop_timer(loop, *args, many: int, few: int | None = None) -> Callable[[], float]:
+  """Compiles and warms loop(count, *args), a jitted loop of `count` iterations (count a
+  traced int32); returns () -> seconds per iteration.
 
-  `calls` is how many calls one run of the loop makes. The returned function carries
-  `.loop` and `.args` (to lower or profile the same program).
+  Each run times `few` iterations (default many // 4) and then `many`, and differences
+  them, so what a call costs besides its iterations cancels: dispatch, copying the
+  arguments into the loop's carry, allocating its outputs. That is 0.4-0.5 ms a call for
+  the shipped draft's forward loop and ~1.5 ms for the target's (a 64-iteration loop of
+  190 us target steps read 12% long, a 16-call loop of draft proposals ~30 us a call);
+  a decode call pays it once, not every round. The returned function carries `.loop`
+  and `.args` (count = many first), to lower or profile the same program.
   """
-  jax.block_until_ready(loop(*args))
+  few = many // 4 if few is None else few
+  if not 0 <= few < many:
+    raise ValueError(f"loop_timer needs 0 <= few < many, got few={few}, many={many}")
+  counts = jnp.int32(few), jnp.int32(many)
+  jax.block_until_ready(loop(counts[1], *args))
 
   def run() -> float:
-    start = time.perf_counter()
-    jax.block_until_ready(loop(*args))
-    return (time.perf_counter() - start) / calls
+    spent = []
+    for count in counts:
+      start = time.perf_counter()
+      jax.block_until_ready(loop(count, *args))
+      spent.append(time.perf_counter() - start)
+    return (spent[1] - spent[0]) / (many - few)
 
-  run.loop, run.args = loop, args
+  run.loop, run.args = loop, (counts[1],) + args
   return run
 
 
@@ -105,14 +120,14 @@ def forward_timer(model, batch: int, tokens_per_call: int, context: int = 128,
   graphdef = model.graphdef
 
   @jax.jit
-  def loop(params, kv, tokens):
+  def loop(count, params, kv, tokens):
     def body(_, carry):
       kv, tokens = carry
       logits, new_kv = model_lib.forward_cached(
           graphdef, params, tokens, kv, live=None if live is None else jnp.int32(live))
       # Feeding back the argmax keeps each call dependent on the previous one.
       return new_kv.rollback(kv.length), argmax(logits).astype(jnp.int32)
-    return jax.lax.fori_loop(0, iters, body, (kv, tokens))
+    return jax.lax.fori_loop(0, count, body, (kv, tokens))
 
   # The cache in the weights' dtype, as `decode.prefill` keeps it.
   kv = kv_cache.init_kv(model.config, batch, cache_size, model_lib.compute_dtype(model.params))
@@ -120,18 +135,19 @@ def forward_timer(model, batch: int, tokens_per_call: int, context: int = 128,
   tokens = jnp.zeros((batch, tokens_per_call), jnp.int32)
   # The layout `decode.decode` runs with, made once here so no timed call pays for it.
   params = model_lib.host_layout(model.params)
-  return loop_timer(loop, params, kv, tokens, calls=iters)
+  return loop_timer(loop, params, kv, tokens, many=iters)
 
 
 def forward_cost(model, batch: int, tokens_per_call: int, context: int = 128,
                  cache_size: int | None = None, iters: int = 64, repeats: int = 5) -> float:
-  """Seconds per cached forward of `tokens_per_call` new tokens per row (best of repeats)."""
+  """Seconds per cached forward of `tokens_per_call` new tokens per row (median of
+  `repeats` differenced runs, `loop_timer`)."""
   run = forward_timer(model, batch, tokens_per_call, context, cache_size, iters)
-  return min(run() for _ in range(repeats))
+  return statistics.median(run() for _ in range(repeats))
 
 
 def propose_timer(drafter, draft_params, batch: int, vocab_size: int, context: int = 128,
-                  iters: int = 16, temperature: float = 1.0) -> Callable[[], float]:
+                  iters: int = 32, temperature: float = 1.0) -> Callable[[], float]:
   """`loop_timer` of `iters` `drafter.propose` calls (γ tokens per row), rolled back each time."""
   tree = getattr(drafter, "tree", None)
   cache_size = context + (drafter.gamma if tree is None else tree.num_nodes) + 66
@@ -141,7 +157,7 @@ def propose_timer(drafter, draft_params, batch: int, vocab_size: int, context: i
   draft_params = model_lib.host_layout(draft_params)  # as `generate` runs them
 
   @jax.jit
-  def loop(params, state, key):
+  def loop(count, params, state, key):
     def body(i, carry):
       state, key, total = carry
       key, sub = jax.random.split(key)
@@ -154,7 +170,7 @@ def propose_timer(drafter, draft_params, batch: int, vocab_size: int, context: i
       else:
         new_state = drafter.rollback(new_state, n)
       return new_state, key, total + jnp.sum(ys)
-    return jax.lax.fori_loop(0, iters, body, (state, key, jnp.zeros((), jnp.int32)))
+    return jax.lax.fori_loop(0, count, body, (state, key, jnp.zeros((), jnp.int32)))
 
   heads = getattr(drafter, "uses_features", False)
   state = drafter.init(batch, cache_size)
@@ -165,14 +181,14 @@ def propose_timer(drafter, draft_params, batch: int, vocab_size: int, context: i
     state = drafter.prefill(draft_params, state, tokens, n, feats)
   else:
     state = drafter.prefill(draft_params, state, tokens, n)
-  return loop_timer(loop, draft_params, state, jax.random.PRNGKey(1), calls=iters)
+  return loop_timer(loop, draft_params, state, jax.random.PRNGKey(1), many=iters)
 
 
 def propose_cost(drafter, draft_params, batch: int, vocab_size: int, context: int = 128,
-                 iters: int = 16, repeats: int = 5, temperature: float = 1.0) -> float:
-  """Seconds per `drafter.propose` call (best of repeats)."""
+                 iters: int = 32, repeats: int = 5, temperature: float = 1.0) -> float:
+  """Seconds per `drafter.propose` call (median of `repeats` differenced runs)."""
   run = propose_timer(drafter, draft_params, batch, vocab_size, context, iters, temperature)
-  return min(run() for _ in range(repeats))
+  return statistics.median(run() for _ in range(repeats))
 
 
 def _median_range(values, name: str) -> dict:
@@ -196,6 +212,8 @@ def step_costs(target, drafter, draft_params, batch: int, context: int,
   Both at the same context, batch and cache size. The three loops are timed in turn,
   `repeats` rounds; c and v are medians of the per-round ratios (with `c_min`, `c_max`,
   `v_min`, `v_max`), so a machine that slows down for a while moves both sides alike.
+  Each loop is differenced (`loop_timer`): what a call costs besides its iterations is
+  in none of them.
   """
   gamma = drafter.gamma
   width = verify_width(drafter)
@@ -209,7 +227,9 @@ def step_costs(target, drafter, draft_params, batch: int, context: int,
     for name, run in (("step", step), ("verify", verify), ("propose", propose)):
       times[name].append(run())
   v = [tv / t1 for tv, t1 in zip(times["verify"], times["step"])]
-  c = [tp / gamma / t1 for tp, t1 in zip(times["propose"], times["step"])]
+  # A differenced time can come out below 0 where the cost is below what the loops
+  # resolve (a lookup's `propose`): it counts as 0.
+  c = [max(tp, 0.0) / gamma / t1 for tp, t1 in zip(times["propose"], times["step"])]
   return {"target_step_s": statistics.median(times["step"]),
           "verify_s": statistics.median(times["verify"]),
           "propose_s": statistics.median(times["propose"]),
@@ -245,8 +265,9 @@ def verify_costs(target, batch: int, gammas, context: int = 128,
   return out
 
 
-def round_timer(prepared, rounds: int = 16) -> Callable[[], float]:
-  """`loop_timer` of `rounds` decode rounds (draft + verify + commit) back to back.
+def round_timer(prepared, rounds: int = 16, few: int | None = None) -> Callable[[], float]:
+  """`loop_timer` of `rounds` decode rounds (draft + verify + commit) back to back,
+  differenced against `few` (default rounds // 4).
 
   `prepared` is `specjax.generation.prepare(...)`'s result; its max_new_tokens must
   leave room for `rounds` rounds. Every run starts from the same prefilled state, so
@@ -257,26 +278,18 @@ def round_timer(prepared, rounds: int = 16) -> Callable[[], float]:
   weights = decode_lib.laid_out(prepared.engine, prepared.weights)
 
   @jax.jit
-  def loop(state):
+  def loop(count, state):
     step = lambda _, s: decode_lib.decode_round(prepared.engine, weights, s,
                                                 prepared.sampling)
-    return jax.lax.fori_loop(0, rounds, step, state)
+    return jax.lax.fori_loop(0, count, step, state)
 
-  return loop_timer(loop, state, calls=rounds)
+  return loop_timer(loop, state, many=rounds, few=few)
 
 
 def rounds_timer(prepared, few: int = 8, many: int = 24) -> Callable[[], float]:
-  """() -> seconds per decode round: `round_timer` loops of `few` and of `many` rounds
-  from the same prefilled state, timed one after the other and differenced, so what a
-  call costs besides its rounds (dispatch, the state's buffers) cancels. Its
-  max_new_tokens must leave room for `many` rounds."""
-  loops = round_timer(prepared, few), round_timer(prepared, many)
-
-  def run() -> float:
-    t_few, t_many = (loop() for loop in loops)
-    return (t_many * many - t_few * few) / (many - few)
-
-  return run
+  """() -> seconds per decode round: `round_timer` of `many` rounds less `few`, from the
+  same prefilled state. Its max_new_tokens must leave room for `many` rounds."""
+  return round_timer(prepared, many, few)
 
 
 def round_parts(target, prepared, context: int, repeats: int = 5, rounds: int = 24) -> dict:

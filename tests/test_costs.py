@@ -31,6 +31,16 @@ def test_step_costs_are_medians_of_per_round_ratios(monkeypatch):
   assert sc["target_step_s"] == 2.0 and sc["verify_s"] == 3.0
 
 
+def test_a_proposal_timed_below_zero_costs_nothing(monkeypatch):
+  # A lookup's `propose` is below what a differenced loop resolves: -0.01 reads as 0.
+  monkeypatch.setattr(costs, "forward_timer", lambda model, batch, t, **kw: scripted(
+      [1.0] * 3 if t == 1 else [2.0] * 3))
+  monkeypatch.setattr(costs, "propose_timer", lambda *a, **kw: scripted([-0.01, 0.02, 0.04]))
+  target = types.SimpleNamespace(config=types.SimpleNamespace(vocab_size=8))
+  sc = costs.step_costs(target, types.SimpleNamespace(gamma=2), None, 1, 16, repeats=3)
+  assert (sc["c_min"], sc["c"], sc["c_max"]) == (0.0, 0.01, 0.02)
+
+
 def test_verify_costs_pair_each_pass_with_the_step_before_it(monkeypatch):
   step = [1.0, 1.0, 3.0, 3.0]  # rounds: (γ=1, γ=2), (γ=1, γ=2); the second is slow
   passes = {2: [1.5, 3.0], 3: [2.0, 6.0]}
@@ -93,7 +103,7 @@ def test_forward_timer_keeps_the_cache_in_the_weights_dtype():
   model = synthetic.random_model(dict(vocab_size=64, d_model=32, n_layers=1, n_heads=2,
                                       d_ff=64, max_len=64), "bfloat16", 0)
   run = costs.forward_timer(model, 1, 2, context=8, iters=1)
-  kv = run.args[1]
+  kv = run.args[2]
   assert kv.k[0].dtype == jnp.bfloat16 and kv.v[0].dtype == jnp.bfloat16
 
 
@@ -106,10 +116,10 @@ def test_forward_timer_times_a_narrowed_pass():
   from specjax.models import cpu_kernels
   model = tiny_model(vocab=16, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, llama=True)
   run = costs.forward_timer(model, 1, 4, context=8, iters=1, live=2)
-  assert run() > 0
+  run()  # a difference of two short loops: its sign is noise
   hlo = run.loop.lower(*run.args).as_text()
   assert ("specjax_rope_attention" in hlo) == cpu_kernels.available()
-  graphdef, (params, kv, tokens) = model.graphdef, run.args
+  graphdef, (params, kv, tokens) = model.graphdef, run.args[1:]
   from specjax.models import model as model_lib
   logits, _ = jax.jit(lambda p, k, t: model_lib.forward_cached(graphdef, p, t, k,
                                                               live=jnp.int32(2)))(params, kv, tokens)
@@ -147,9 +157,31 @@ def test_round_parts_price_a_round_in_steps_of_its_own_round(monkeypatch):
   assert parts["propose"] == 0.0 and parts["verify"] == 1.0 and parts["rest"] == 1.0
 
 
-def test_rounds_timer_differences_two_loops(monkeypatch):
-  # Loops of 8 and 24 rounds, each with a fixed 1.6 s besides its rounds of 0.5 s:
-  # per round as round_timer reports it, (1.6 + 8 * 0.5) / 8 and (1.6 + 24 * 0.5) / 24.
-  per_round = {8: (1.6 + 4.0) / 8, 24: (1.6 + 12.0) / 24}
-  monkeypatch.setattr(costs, "round_timer", lambda prepared, rounds: lambda: per_round[rounds])
-  assert abs(costs.rounds_timer(None, 8, 24)() - 0.5) < 1e-12
+def test_loop_timer_cancels_what_a_call_costs_besides_its_iterations(monkeypatch):
+  # A loop whose every call costs a fixed 1.6 s besides 0.5 s an iteration (a clock that
+  # the loop advances): per iteration 0.5 s, not (1.6 + 24 * 0.5) / 24 = 0.567 s.
+  import jax.numpy as jnp
+  import pytest
+  clock = [0.0]
+  monkeypatch.setattr(costs.time, "perf_counter", lambda: clock[0])
+  calls = []
+
+  def loop(count, x):
+    calls.append(int(count))
+    clock[0] += 1.6 + 0.5 * int(count)
+    return x
+
+  run = costs.loop_timer(loop, jnp.zeros(()), many=24, few=8)
+  assert abs(run() - 0.5) < 1e-9 and calls == [24, 8, 24]  # warm-up, few, many
+  assert int(run.args[0]) == 24
+  assert abs(costs.loop_timer(loop, jnp.zeros(()), many=4)() - 0.5) < 1e-9  # few = 1
+  with pytest.raises(ValueError, match="few < many"):
+    costs.loop_timer(loop, jnp.zeros(()), many=4, few=4)
+
+
+def test_paired_uses_the_times_timers_return(monkeypatch):
+  got = costs.paired(scripted([9.0, 2.0, 4.0]), scripted([9.0, 4.0, 12.0]), pairs=2,
+                     timers=True)
+  # After a warm-up call each: ratios 4 / 2 and 12 / 4, whatever the wall clock said.
+  assert got["method_s"] == [2.0, 4.0] and got["baseline_s"] == [4.0, 12.0]
+  assert got["ratio"] == 2.5 and got["ratio_max"] == 3.0
