@@ -77,7 +77,7 @@ _CONTEXT = flags.DEFINE_integer("context", 128, "Valid history per row when time
 _BATCH = flags.DEFINE_integer("batch", 1, "Rows.")
 _TOKENS = flags.DEFINE_list("tokens", ["1", "2", "5", "9"], "T values of the per-op tables.")
 _MAX_GAMMA = flags.DEFINE_integer("max_gamma", 8, "v(γ) for γ = 1..max_gamma.")
-_ITERS = flags.DEFINE_integer("iters", 64, "Calls per timed loop.")
+_ITERS = flags.DEFINE_integer("iters", 128, "Calls per timed loop.")
 _PAIRS = flags.DEFINE_integer("pairs", 7, "Timed rounds after one warm-up round.")
 _TRACE = flags.DEFINE_bool("trace", True, "Print the in-situ per-op table (jax.profiler).")
 _OPS = flags.DEFINE_bool("ops", True, "Print the per-op table of pieces timed alone.")
@@ -568,7 +568,7 @@ def round_table(model, context, pairs, rounds=16):
           f"{1 / got['ratio']:.2f} ({1 / got['ratio_max']:.2f}-{1 / got['ratio_min']:.2f}) |")
 
 
-def parts_table(model, pairs, rounds=24, prompt_tokens=64):
+def parts_table(model, pairs, rounds=64, prompt_tokens=64):
   """`costs.round_parts` of each --parts entry: where a round's time goes, in steps."""
   prompt = common.heldout_prompts(model.tokenizer, "stdlib", 1, prompt_tokens)
   print("\n| drafter | γ | round | propose | verify pass | rest | 1-token step |\n"

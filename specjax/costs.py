@@ -1,7 +1,9 @@
 """Measurement: the c and v(γ) of the ledger, and paired timing of two methods.
 
 Step costs run many calls inside one jitted `lax.fori_loop` (as the decode loop does),
-rolling the cache back after each call so the context length stays fixed. c and v(γ)
+rolling the cache back after each call so the context length stays fixed; each timer
+differences a loop of `many` calls and one of `few` (`loop_timer`), so what a jitted
+call costs besides its iterations is not spread over them. c and v(γ)
 are ratios of such loops timed in turn, round after round (the 1-token step right
 before the pass it divides), and reported as the median of the per-round ratios.
 
@@ -86,11 +88,13 @@ def loop_timer(loop, *args, many: int, few: int | None = None) -> Callable[[], f
 
   Each run times `few` iterations (default many // 4) and then `many`, and differences
   them, so what a call costs besides its iterations cancels: dispatch, copying the
-  arguments into the loop's carry, allocating its outputs. That is 0.4-0.5 ms a call for
-  the shipped draft's forward loop and ~1.5 ms for the target's (a 64-iteration loop of
-  190 us target steps read 12% long, a 16-call loop of draft proposals ~30 us a call);
-  a decode call pays it once, not every round. The returned function carries `.loop`
-  and `.args` (count = many first), to lower or profile the same program.
+  arguments into the loop's carry (0.16 ms a call for the shipped draft's forward loop,
+  0.26 ms for the target's, at count 0), and the first ~30 iterations of every call
+  running ~10% slower than the rest. Undifferenced, that read a 64-iteration loop of
+  the target's 181 us steps as 200 us a step and a 16-call loop of the draft's
+  proposals ~30 us a call long; a decode call pays it once, not every round. The
+  returned function carries `.loop` and `.args` (count = many first), to lower or
+  profile the same program.
   """
   few = many // 4 if few is None else few
   if not 0 <= few < many:
@@ -111,7 +115,7 @@ def loop_timer(loop, *args, many: int, few: int | None = None) -> Callable[[], f
 
 
 def forward_timer(model, batch: int, tokens_per_call: int, context: int = 128,
-                  cache_size: int | None = None, iters: int = 64,
+                  cache_size: int | None = None, iters: int = 128,
                   live: int | None = None) -> Callable[[], float]:
   """`loop_timer` of `iters` cached forwards of `tokens_per_call` new tokens at `context`;
   with `live`, passes that compute only their first `live` tokens where the CPU kernels
@@ -139,7 +143,7 @@ def forward_timer(model, batch: int, tokens_per_call: int, context: int = 128,
 
 
 def forward_cost(model, batch: int, tokens_per_call: int, context: int = 128,
-                 cache_size: int | None = None, iters: int = 64, repeats: int = 5) -> float:
+                 cache_size: int | None = None, iters: int = 128, repeats: int = 5) -> float:
   """Seconds per cached forward of `tokens_per_call` new tokens per row (median of
   `repeats` differenced runs, `loop_timer`)."""
   run = forward_timer(model, batch, tokens_per_call, context, cache_size, iters)
@@ -147,7 +151,7 @@ def forward_cost(model, batch: int, tokens_per_call: int, context: int = 128,
 
 
 def propose_timer(drafter, draft_params, batch: int, vocab_size: int, context: int = 128,
-                  iters: int = 32, temperature: float = 1.0) -> Callable[[], float]:
+                  iters: int = 128, temperature: float = 1.0) -> Callable[[], float]:
   """`loop_timer` of `iters` `drafter.propose` calls (γ tokens per row), rolled back each time."""
   tree = getattr(drafter, "tree", None)
   cache_size = context + (drafter.gamma if tree is None else tree.num_nodes) + 66
@@ -185,7 +189,7 @@ def propose_timer(drafter, draft_params, batch: int, vocab_size: int, context: i
 
 
 def propose_cost(drafter, draft_params, batch: int, vocab_size: int, context: int = 128,
-                 iters: int = 32, repeats: int = 5, temperature: float = 1.0) -> float:
+                 iters: int = 128, repeats: int = 5, temperature: float = 1.0) -> float:
   """Seconds per `drafter.propose` call (median of `repeats` differenced runs)."""
   run = propose_timer(drafter, draft_params, batch, vocab_size, context, iters, temperature)
   return statistics.median(run() for _ in range(repeats))
@@ -292,7 +296,7 @@ def rounds_timer(prepared, few: int = 8, many: int = 24) -> Callable[[], float]:
   return round_timer(prepared, many, few)
 
 
-def round_parts(target, prepared, context: int, repeats: int = 5, rounds: int = 24) -> dict:
+def round_parts(target, prepared, context: int, repeats: int = 5, rounds: int = 64) -> dict:
   """A decode round against its parts, in 1-token steps of the target.
 
   round: a decode round (draft, verify, commit; `rounds_timer` of `rounds` // 3 and
