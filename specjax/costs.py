@@ -88,13 +88,13 @@ def loop_timer(loop, *args, many: int, few: int | None = None) -> Callable[[], f
 
   Each run times `few` iterations (default many // 4) and then `many`, and differences
   them, so what a call costs besides its iterations cancels: dispatch, copying the
-  arguments into the loop's carry (0.16 ms a call for the shipped draft's forward loop,
-  0.26 ms for the target's, at count 0), and the first ~30 iterations of every call
-  running ~10% slower than the rest. Undifferenced, that read a 64-iteration loop of
-  the target's 181 us steps as 200 us a step and a 16-call loop of the draft's
-  proposals ~30 us a call long; a decode call pays it once, not every round. The
-  returned function carries `.loop` and `.args` (count = many first), to lower or
-  profile the same program.
+  arguments into the loop's carry (0.16 ms a call for the shipped draft's forward
+  loop, 0.26 ms for the target's, at count 0), and the first few dozen iterations of
+  every call running up to ~10% slower than later ones. Undifferenced, that read a
+  64-iteration loop of the target's 181 us steps as 200 us a step and a 16-call loop
+  of the draft's proposals ~30 us a call long; a decode call pays it once, not every
+  round. The returned function carries `.loop` and `.args` (count = many first), to
+  lower or profile the same program.
   """
   few = many // 4 if few is None else few
   if not 0 <= few < many:
