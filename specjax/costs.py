@@ -14,6 +14,7 @@ its min and max, so a shared machine slowing down for a while hits both sides al
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import statistics
@@ -82,7 +83,8 @@ def forward_flops(config, tokens: int, context: int) -> float:
   return 2.0 * per_token * tokens
 
 
-def loop_timer(loop, *args, many: int, few: int | None = None) -> Callable[[], float]:
+def loop_timer(loop, *args, many: int, few: int | None = None,
+               min_seconds: float = 0.0) -> Callable[[], float]:
   """Compiles and warms loop(count, *args), a jitted loop of `count` iterations (count a
   traced int32); returns () -> seconds per iteration.
 
@@ -93,14 +95,24 @@ def loop_timer(loop, *args, many: int, few: int | None = None) -> Callable[[], f
   every call running up to ~10% slower than later ones. Undifferenced, that read a
   64-iteration loop of the target's 181 us steps as 200 us a step and a 16-call loop
   of the draft's proposals ~30 us a call long; a decode call pays it once, not every
-  round. The returned function carries `.loop` and `.args` (count = many first), to
-  lower or profile the same program.
+  round. With min_seconds, `many` and `few` grow together (up to 64-fold) until a run
+  of `many` takes that long: a fast loop's difference would otherwise be within the
+  call's own jitter (a tiny model's could come out below 0). The returned function
+  carries `.loop` and `.args` (count = many first), to lower or profile the same
+  program.
   """
   few = many // 4 if few is None else few
   if not 0 <= few < many:
     raise ValueError(f"loop_timer needs 0 <= few < many, got few={few}, many={many}")
+  jax.block_until_ready(loop(jnp.int32(many), *args))
+  if min_seconds > 0:
+    start = time.perf_counter()
+    jax.block_until_ready(loop(jnp.int32(many), *args))
+    spent = time.perf_counter() - start
+    if spent < min_seconds:
+      grow = min(math.ceil(min_seconds / max(spent, 1e-9)), 64)
+      many, few = many * grow, few * grow
   counts = jnp.int32(few), jnp.int32(many)
-  jax.block_until_ready(loop(counts[1], *args))
 
   def run() -> float:
     spent = []
@@ -112,6 +124,10 @@ def loop_timer(loop, *args, many: int, few: int | None = None) -> Callable[[], f
 
   run.loop, run.args = loop, (counts[1],) + args
   return run
+
+
+# The shortest run of `many` calls a forward or proposal timer takes (`loop_timer`).
+MIN_LOOP_SECONDS = 0.01
 
 
 def forward_timer(model, batch: int, tokens_per_call: int, context: int = 128,
@@ -139,7 +155,7 @@ def forward_timer(model, batch: int, tokens_per_call: int, context: int = 128,
   tokens = jnp.zeros((batch, tokens_per_call), jnp.int32)
   # The layout `decode.decode` runs with, made once here so no timed call pays for it.
   params = model_lib.host_layout(model.params)
-  return loop_timer(loop, params, kv, tokens, many=iters)
+  return loop_timer(loop, params, kv, tokens, many=iters, min_seconds=MIN_LOOP_SECONDS)
 
 
 def forward_cost(model, batch: int, tokens_per_call: int, context: int = 128,
@@ -185,7 +201,8 @@ def propose_timer(drafter, draft_params, batch: int, vocab_size: int, context: i
     state = drafter.prefill(draft_params, state, tokens, n, feats)
   else:
     state = drafter.prefill(draft_params, state, tokens, n)
-  return loop_timer(loop, draft_params, state, jax.random.PRNGKey(1), many=iters)
+  return loop_timer(loop, draft_params, state, jax.random.PRNGKey(1), many=iters,
+                    min_seconds=MIN_LOOP_SECONDS)
 
 
 def propose_cost(drafter, draft_params, batch: int, vocab_size: int, context: int = 128,

@@ -179,6 +179,25 @@ def test_loop_timer_cancels_what_a_call_costs_besides_its_iterations(monkeypatch
     costs.loop_timer(loop, jnp.zeros(()), many=4, few=4)
 
 
+def test_loop_timer_lengthens_a_loop_too_short_to_difference(monkeypatch):
+  # 1 ms a call + 0.1 ms an iteration: 8 calls take 1.8 ms, so with min_seconds 10 ms the
+  # counts grow 6-fold (48 against 12); capped at 64-fold for a loop of nearly nothing.
+  import jax.numpy as jnp
+  clock, calls = [0.0], []
+  monkeypatch.setattr(costs.time, "perf_counter", lambda: clock[0])
+
+  def loop(count, x, fixed=1e-3, per=1e-4):
+    calls.append(int(count))
+    clock[0] += fixed + per * int(count)
+    return x
+
+  run = costs.loop_timer(loop, jnp.zeros(()), many=8, min_seconds=0.01)
+  assert abs(run() - 1e-4) < 1e-12 and calls == [8, 8, 12, 48] and int(run.args[0]) == 48
+  run = costs.loop_timer(lambda n, x: loop(n, x, fixed=1e-6, per=0.0), jnp.zeros(()),
+                         many=8, min_seconds=0.01)
+  assert int(run.args[0]) == 8 * 64
+
+
 def test_paired_uses_the_times_timers_return(monkeypatch):
   got = costs.paired(scripted([9.0, 2.0, 4.0]), scripted([9.0, 4.0, 12.0]), pairs=2,
                      timers=True)
