@@ -307,17 +307,11 @@ def round_timer(prepared, rounds: int = 16, few: int | None = None) -> Callable[
   return loop_timer(loop, state, many=rounds, few=few)
 
 
-def rounds_timer(prepared, few: int = 8, many: int = 24) -> Callable[[], float]:
-  """() -> seconds per decode round: `round_timer` of `many` rounds less `few`, from the
-  same prefilled state. Its max_new_tokens must leave room for `many` rounds."""
-  return round_timer(prepared, many, few)
-
-
 def round_parts(target, prepared, context: int, repeats: int = 5, rounds: int = 64) -> dict:
   """A decode round against its parts, in 1-token steps of the target.
 
-  round: a decode round (draft, verify, commit; `rounds_timer` of `rounds` // 3 and
-  `rounds` rounds); propose: one `drafter.propose` (γ tokens, sampling included, at the
+  round: a decode round (draft, verify, commit; `round_timer` of `rounds` rounds less
+  `rounds` // 3); propose: one `drafter.propose` (γ tokens, sampling included, at the
   call's highest temperature);
   verify: the (γ+1)-token pass (N + 1 for a tree); rest = round - propose - verify:
   the round's own verification, sampling and commit, and whatever the parts cost more
@@ -330,7 +324,7 @@ def round_parts(target, prepared, context: int, repeats: int = 5, rounds: int = 
   drafter = prepared.engine.drafter
   cache = prepared.cache_size
   timers = {"step": forward_timer(target, 1, 1, context=context, cache_size=cache),
-            "round": rounds_timer(prepared, rounds // 3, rounds)}
+            "round": round_timer(prepared, rounds, rounds // 3)}
   if drafter.gamma > 0:
     timers["verify"] = forward_timer(target, 1, verify_width(drafter), context=context,
                                      cache_size=cache)

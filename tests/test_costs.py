@@ -128,13 +128,13 @@ def test_forward_timer_times_a_narrowed_pass():
 
 
 def test_round_parts_price_a_round_in_steps_of_its_own_round(monkeypatch):
-  # Loops timed in turn: step, round (as rounds_timer differences it), verify, propose.
+  # Loops timed in turn: step, round (as round_timer differences it), verify, propose.
   # Repeat 2 ran twice as slow for every loop; repeat 3 had a slow round only.
   step, rounds = [1.0, 2.0, 1.0], [2.0, 4.0, 3.0]
   verify, propose = [1.25, 2.5, 1.25], [0.5, 1.0, 0.5]
   monkeypatch.setattr(costs, "forward_timer", lambda model, batch, t, **kw: scripted(
       step if t == 1 else verify))
-  monkeypatch.setattr(costs, "rounds_timer", lambda prepared, few, many: scripted(rounds))
+  monkeypatch.setattr(costs, "round_timer", lambda prepared, many, few: scripted(rounds))
   target = types.SimpleNamespace(config=types.SimpleNamespace(vocab_size=8))
   prepared = types.SimpleNamespace(cache_size=64, weights=types.SimpleNamespace(draft=None),
                                    sampling=types.SimpleNamespace(temperature=[0.0, 0.7]),
@@ -150,7 +150,7 @@ def test_round_parts_price_a_round_in_steps_of_its_own_round(monkeypatch):
   # The call's highest temperature (its rows that sample), as float32 holds it.
   assert len(drafted_at) == 1 and abs(drafted_at[0] - 0.7) < 1e-6
   # Target-only (γ = 0): no propose, and the pass is the step itself.
-  monkeypatch.setattr(costs, "rounds_timer", lambda prepared, few, many: scripted(rounds))
+  monkeypatch.setattr(costs, "round_timer", lambda prepared, many, few: scripted(rounds))
   monkeypatch.setattr(costs, "forward_timer", lambda model, batch, t, **kw: scripted(step))
   prepared.engine.drafter.gamma = 0
   parts = costs.round_parts(target, prepared, context=16, repeats=3)
