@@ -299,8 +299,10 @@ def in_situ(timer, piece_of, iters, rounds=1):
 
 
 def ratio_text(num, den):
-  r = [a / b for a, b in zip(num, den) if b > 0]
-  if not r:  # a piece a T = 1 forward does not run (the same op may fall elsewhere there)
+  # Below 0.1 us the differenced times are noise (the empty loop step: the loop itself
+  # adds ~0 an iteration); and a piece a T = 1 forward does not run has none.
+  r = [a / b for a, b in zip(num, den) if b > 1e-7]
+  if not r:
     return "-"
   return f"{statistics.median(r):.2f} ({min(r):.2f}-{max(r):.2f})"
 
@@ -577,7 +579,7 @@ def parts_table(model, pairs, rounds=64, prompt_tokens=64):
     name, _, gamma = entry.partition(":")
     gamma = int(gamma) if gamma else (0 if name == "none" else 4)
     prepared = prepared_rounds(model, prompt, name, gamma, rounds)
-    # About halfway through the timed rounds' history.
+    # Midway through the differenced rounds (rounds // 3 .. rounds) at 1.5 tokens a round.
     parts = costs.round_parts(model, prepared, context=prompt_tokens + rounds,
                               repeats=pairs, rounds=rounds)
     cell = lambda k: f"{parts[k]:.2f} ({parts[k + '_min']:.2f}-{parts[k + '_max']:.2f})"

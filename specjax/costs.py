@@ -83,8 +83,12 @@ def forward_flops(config, tokens: int, context: int) -> float:
   return 2.0 * per_token * tokens
 
 
+# The shortest run of `many` calls `loop_timer` takes by default.
+MIN_LOOP_SECONDS = 0.01
+
+
 def loop_timer(loop, *args, many: int, few: int | None = None,
-               min_seconds: float = 0.0) -> Callable[[], float]:
+               min_seconds: float = MIN_LOOP_SECONDS) -> Callable[[], float]:
   """Compiles and warms loop(count, *args), a jitted loop of `count` iterations (count a
   traced int32); returns () -> seconds per iteration.
 
@@ -95,8 +99,8 @@ def loop_timer(loop, *args, many: int, few: int | None = None,
   every call running up to ~10% slower than later ones. Undifferenced, that read a
   64-iteration loop of the target's 181 us steps as 200 us a step and a 16-call loop
   of the draft's proposals ~30 us a call long; a decode call pays it once, not every
-  round. With min_seconds, `many` and `few` grow together (up to 64-fold) until a run
-  of `many` takes that long: a fast loop's difference would otherwise be within the
+  round. `many` and `few` grow together (up to 64-fold) until a run of `many` takes
+  min_seconds (0: as given): a fast loop's difference would otherwise be within the
   call's own jitter (a tiny model's could come out below 0). The returned function
   carries `.loop` and `.args` (count = many first), to lower or profile the same
   program.
@@ -126,10 +130,6 @@ def loop_timer(loop, *args, many: int, few: int | None = None,
   return run
 
 
-# The shortest run of `many` calls a forward or proposal timer takes (`loop_timer`).
-MIN_LOOP_SECONDS = 0.01
-
-
 def forward_timer(model, batch: int, tokens_per_call: int, context: int = 128,
                   cache_size: int | None = None, iters: int = 128,
                   live: int | None = None) -> Callable[[], float]:
@@ -155,7 +155,7 @@ def forward_timer(model, batch: int, tokens_per_call: int, context: int = 128,
   tokens = jnp.zeros((batch, tokens_per_call), jnp.int32)
   # The layout `decode.decode` runs with, made once here so no timed call pays for it.
   params = model_lib.host_layout(model.params)
-  return loop_timer(loop, params, kv, tokens, many=iters, min_seconds=MIN_LOOP_SECONDS)
+  return loop_timer(loop, params, kv, tokens, many=iters)
 
 
 def forward_cost(model, batch: int, tokens_per_call: int, context: int = 128,
@@ -201,8 +201,7 @@ def propose_timer(drafter, draft_params, batch: int, vocab_size: int, context: i
     state = drafter.prefill(draft_params, state, tokens, n, feats)
   else:
     state = drafter.prefill(draft_params, state, tokens, n)
-  return loop_timer(loop, draft_params, state, jax.random.PRNGKey(1), many=iters,
-                    min_seconds=MIN_LOOP_SECONDS)
+  return loop_timer(loop, draft_params, state, jax.random.PRNGKey(1), many=iters)
 
 
 def propose_cost(drafter, draft_params, batch: int, vocab_size: int, context: int = 128,
@@ -304,7 +303,8 @@ def round_timer(prepared, rounds: int = 16, few: int | None = None) -> Callable[
                                                 prepared.sampling)
     return jax.lax.fori_loop(0, count, step, state)
 
-  return loop_timer(loop, state, many=rounds, few=few)
+  # Counts as given: the prefilled state has room for `rounds` rounds only.
+  return loop_timer(loop, state, many=rounds, few=few, min_seconds=0)
 
 
 def round_parts(target, prepared, context: int, repeats: int = 5, rounds: int = 64) -> dict:
