@@ -301,8 +301,8 @@ def in_situ(timer, piece_of, iters, rounds=1):
 def ratio_text(num, den):
   # Below 0.1 us the differenced times are noise (the empty loop step: the loop itself
   # adds ~0 an iteration); and a piece a T = 1 forward does not run has none.
-  r = [a / b for a, b in zip(num, den) if b > 1e-7]
-  if not r:
+  r = [a / b for a, b in zip(num, den) if b > 0]
+  if not r or statistics.median(den) < 1e-7:
     return "-"
   return f"{statistics.median(r):.2f} ({min(r):.2f}-{max(r):.2f})"
 
