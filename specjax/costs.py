@@ -92,10 +92,11 @@ def loop_timer(loop, *args, many: int, few: int | None = None,
   """Compiles and warms loop(count, *args), a jitted loop of `count` iterations (count a
   traced int32); returns () -> seconds per iteration.
 
-  Each run times `few` iterations (default many // 4) and then `many`, and differences
-  them, so what a call costs besides its iterations cancels: dispatch, copying the
-  arguments into the loop's carry (0.16 ms a call for the shipped draft's forward
-  loop, 0.26 ms for the target's, at count 0), and the first few dozen iterations of
+  Each run times `few` iterations (default many // 4), `many`, and `few` again, and
+  differences the long run and the faster short one, so what a call costs besides its
+  iterations cancels: dispatch, copying the arguments into the loop's carry (0.16 ms a
+  call for the shipped draft's forward loop, 0.26 ms for the target's, at count 0),
+  and the first few dozen iterations of
   every call running up to ~10% slower than later ones. Undifferenced, that read a
   64-iteration loop of the target's 181 us steps as 200 us a step and a 16-call loop
   of the draft's proposals ~30 us a call long; a decode call pays it once, not every
@@ -118,13 +119,18 @@ def loop_timer(loop, *args, many: int, few: int | None = None,
       many, few = many * grow, few * grow
   counts = jnp.int32(few), jnp.int32(many)
 
+  def timed(count) -> float:
+    start = time.perf_counter()
+    jax.block_until_ready(loop(count, *args))
+    return time.perf_counter() - start
+
   def run() -> float:
-    spent = []
-    for count in counts:
-      start = time.perf_counter()
-      jax.block_until_ready(loop(count, *args))
-      spent.append(time.perf_counter() - start)
-    return (spent[1] - spent[0]) / (many - few)
+    # The short run before and after the long one, the faster kept: a stall (another
+    # process, a page fault) only adds time, and one in the short run would otherwise
+    # turn the difference negative.
+    t_few = timed(counts[0])
+    t_many = timed(counts[1])
+    return (t_many - min(t_few, timed(counts[0]))) / (many - few)
 
   run.loop, run.args = loop, (counts[1],) + args
   return run

@@ -172,12 +172,28 @@ def test_loop_timer_cancels_what_a_call_costs_besides_its_iterations(monkeypatch
     return x
 
   run = costs.loop_timer(loop, jnp.zeros(()), many=24, few=8, min_seconds=0)
-  assert abs(run() - 0.5) < 1e-9 and calls == [24, 8, 24]  # warm-up, few, many
+  assert abs(run() - 0.5) < 1e-9 and calls == [24, 8, 24, 8]  # warm-up, few, many, few
   assert int(run.args[0]) == 24
   few_1 = costs.loop_timer(loop, jnp.zeros(()), many=4, min_seconds=0)  # few = 1
   assert abs(few_1() - 0.5) < 1e-9
   with pytest.raises(ValueError, match="few < many"):
     costs.loop_timer(loop, jnp.zeros(()), many=4, few=4)
+
+
+def test_loop_timer_keeps_the_faster_short_run(monkeypatch):
+  # A 3 s stall in the first short run (another process, say): differenced against it,
+  # 24 iterations of 0.5 s would read (13.6 - 8.6) / 16 = 0.31 s, and a longer stall
+  # below 0; against the short run after the long one, 0.5 s.
+  import jax.numpy as jnp
+  clock, stalls = [0.0], [0.0, 3.0, 0.0, 0.0]  # warm-up, few (stalled), many, few
+  monkeypatch.setattr(costs.time, "perf_counter", lambda: clock[0])
+
+  def loop(count, x):
+    clock[0] += 1.6 + 0.5 * int(count) + stalls.pop(0)
+    return x
+
+  run = costs.loop_timer(loop, jnp.zeros(()), many=24, few=8, min_seconds=0)
+  assert abs(run() - 0.5) < 1e-9
 
 
 def test_loop_timer_lengthens_a_loop_too_short_to_difference(monkeypatch):
@@ -193,7 +209,7 @@ def test_loop_timer_lengthens_a_loop_too_short_to_difference(monkeypatch):
     return x
 
   run = costs.loop_timer(loop, jnp.zeros(()), many=8, min_seconds=0.01)
-  assert abs(run() - 1e-4) < 1e-12 and calls == [8, 8, 12, 48] and int(run.args[0]) == 48
+  assert abs(run() - 1e-4) < 1e-12 and calls == [8, 8, 12, 48, 12] and int(run.args[0]) == 48
   run = costs.loop_timer(lambda n, x: loop(n, x, fixed=1e-6, per=0.0), jnp.zeros(()),
                          many=8, min_seconds=0.01)
   assert int(run.args[0]) == 8 * 64
