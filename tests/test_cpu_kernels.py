@@ -422,12 +422,17 @@ class LayoutTest(parameterized.TestCase):
     self.assertEqual(laid[0]["embed"]["embedding"].ndim, 3)
     self.assertEqual(specjax.generate(target, [[1, 2, 3]], **kw).tokens, first)
     self.assertTrue(all(a is b[1] for a, b in zip(laid, decode_lib._LAYOUTS.values())))
-    # Another model takes the place of the least recently used set (the target: a call
-    # lays out its target first).
-    other = tiny_model(**CONFIGS["gpt2"], seed=5)
-    specjax.generate(other, [[1, 2, 3]], max_new_tokens=6)
+    # A third set is kept as well (a target and two drafts compared call after call); a
+    # fourth takes the place of the least recently used (the target: a call lays out its
+    # target first).
+    others = [tiny_model(**CONFIGS["gpt2"], seed=seed) for seed in (5, 6)]
+    specjax.generate(others[0], [[1, 2, 3]], max_new_tokens=6)
     kept = [v[1] for v in decode_lib._LAYOUTS.values()]
-    self.assertLen(kept, 2)
+    self.assertLen(kept, 3)
+    self.assertIs(kept[0], laid[0])
+    specjax.generate(others[1], [[1, 2, 3]], max_new_tokens=6)
+    kept = [v[1] for v in decode_lib._LAYOUTS.values()]
+    self.assertLen(kept, 3)
     self.assertIs(kept[0], laid[1])
     self.assertFalse(any(v is laid[0] for v in kept))
     # Greedy with the weights laid out in the call is greedy with them laid out before.
