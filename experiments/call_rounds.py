@@ -9,8 +9,8 @@ prefill, with the condition and the round limit around it. This times, per side,
 round both ways on the first held-out prompt at T = 0 (the default sweep's shapes: a
 64-token prompt, 64 new tokens):
 
-  in a call: `Prepared.run` stopped after R and after R / 4 rounds, differenced over the
-    rounds between (prefill and host work cancel);
+  in a call: `costs.call_timer` (a `generate` call's work) stopped after R and after
+    R / 4 rounds, differenced over the rounds between (prefill and host work cancel);
   in the loop: `costs.round_timer` of R rounds less R / 4 from the same prefilled state.
 
 R = new tokens / (γ + 1), so no row reaches its budget first. Each pair times every side
@@ -22,11 +22,9 @@ per-pair ratio call / loop.
 from __future__ import annotations
 
 import statistics
-import time
 
 from absl import app
 from absl import flags
-import jax
 
 from experiments import common
 from specjax import costs
@@ -57,31 +55,21 @@ def main(argv):
   del argv
   target = load_pretrained(_TARGET.value)
   prompt = common.heldout_prompts(target.tokenizer, "stdlib", 1, _PROMPT_TOKENS.value)[:1]
-  key = jax.random.PRNGKey(0)
   sides = {}
   for side in _SIDES.value:
     kw, gamma = side_kwargs(side)
     many = max(8, _NEW.value // (gamma + 1))
-    prepared = costs._prepare(target, prompt, kw)
-    sides[side] = (prepared, many, many // 4, costs.round_timer(prepared, many, many // 4))
-
-  def call(prepared, rounds):
-    start = time.perf_counter()
-    state = prepared.run(key, rounds)
-    jax.block_until_ready(state)
-    return time.perf_counter() - start, int(state.target_calls)
-
-  for prepared, many, few, _ in sides.values():  # compile
-    call(prepared, few)
+    sides[side] = (costs.call_timer(target, prompt, kw), many, many // 4,
+                   costs.round_timer(costs._prepare(target, prompt, kw), many, many // 4))
   times = {(side, way): [] for side in sides for way in ("call", "loop")}
   names = list(sides)
   for i in range(_PAIRS.value):
     for side in names[i % len(names):] + names[:i % len(names)]:
-      prepared, many, few, loop = sides[side]
+      call, many, few, loop = sides[side]
       # Untimed first: `decode.laid_out` keeps three parameter sets laid out; with more
       # sides' sets in rotation, a side's first call would lay its draft out again.
-      call(prepared, 1)
-      (short, _), (long, ran) = call(prepared, few), call(prepared, many)
+      call(1)
+      (short, _), (long, ran) = call(few), call(many)
       if ran != many:
         raise RuntimeError(f"{side}: the call stopped after {ran} of {many} rounds")
       times[(side, "call")].append((long - short) / (many - few))
