@@ -196,6 +196,32 @@ def test_loop_timer_keeps_the_faster_short_run(monkeypatch):
   assert abs(run() - 0.5) < 1e-9
 
 
+def test_loop_timer_times_a_difference_below_zero_again(monkeypatch):
+  # Stalls in both short runs (two test files sharing two cores): (13.6 - 16.6) / 16 < 0;
+  # timed again, 0.5 s. A loop that never reads above 0 returns its last difference.
+  import jax.numpy as jnp
+  clock, stalls = [0.0], [0.0, 8.0, 0.0, 8.0] + [0.0] * 3  # warm-up, few, many, few; again
+  monkeypatch.setattr(costs.time, "perf_counter", lambda: clock[0])
+
+  def loop(count, x):
+    clock[0] += 1.6 + 0.5 * int(count) + stalls.pop(0)
+    return x
+
+  run = costs.loop_timer(loop, jnp.zeros(()), many=24, few=8, min_seconds=0)
+  assert abs(run() - 0.5) < 1e-9 and not stalls
+  calls = []
+
+  def shrinking(count, x):  # every long run faster than its short ones
+    calls.append(int(count))
+    clock[0] += 2.0 if int(count) == 8 else 1.0
+    return x
+
+  run = costs.loop_timer(shrinking, jnp.zeros(()), many=24, few=8, min_seconds=0)
+  calls.clear()
+  assert abs(run() - (1.0 - 2.0) / 16) < 1e-9
+  assert calls == [8, 24, 8] * (1 + costs.LOOP_RETRIES)
+
+
 def test_loop_timer_lengthens_a_loop_too_short_to_difference(monkeypatch):
   # 1 ms a call + 0.1 ms an iteration: 8 calls take 1.8 ms, so with min_seconds 10 ms the
   # counts grow 6-fold (48 against 12); capped at 64-fold for a loop of nearly nothing.
