@@ -58,7 +58,10 @@ def main(argv):
   sides = {}
   for side in _SIDES.value:
     kw, gamma = side_kwargs(side)
-    many = max(8, _NEW.value // (gamma + 1))
+    many = _NEW.value // (gamma + 1)  # rounds no row can finish its budget within
+    if many < 4:
+      raise ValueError(f"{side}: --max_new_tokens={_NEW.value} leaves {many} rounds of "
+                       f"{gamma + 1} tokens to time; it needs at least 4")
     sides[side] = (costs.call_timer(target, prompt, kw), many, many // 4,
                    costs.round_timer(costs._prepare(target, prompt, kw), many, many // 4))
   times = {(side, way): [] for side in sides for way in ("call", "loop")}
