@@ -85,6 +85,11 @@ def greedy_oracle(model, prompt, steps):
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 0, 1, 2, 3, 4], [7]]
 
+# Samples of each end-to-end law test (512 continuations of 3 tokens, each within 5 sd).
+# Bugs planted in the rules still fail them by z >= 6 at this size (docs/ARCHITECTURE.md,
+# "How the law tests are sized"); subtler errors are the float64 rule tests' to catch.
+LAW_ROWS = 6000
+
 
 def target_and_draft():
   return (tiny_model(vocab=8, n_layers=2, seed=0),

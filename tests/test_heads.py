@@ -408,10 +408,10 @@ def test_medusa_tree_three_token_law():
   """Whole continuations of a Medusa tree follow the target's law, its children drawn
   without replacement from each head's q (the walk's rules are tested in test_trees)."""
   import specjax
-  from conftest import exact_continuations, target_and_draft
+  from conftest import LAW_ROWS, exact_continuations, target_and_draft
   small, _ = target_and_draft()  # vocabulary 8: 512 continuations of 3 tokens
   head = random_head(small, "medusa")
-  prompt, length, rows = [3, 1, 3], 3, 12000
+  prompt, length, rows = [3, 1, 3], 3, LAW_ROWS
   res = specjax.generate(small, [prompt] * rows, max_new_tokens=length, draft=head,
                          tree=(2, 2), temperature=1.0, seed=4)
   conts, probs = exact_continuations(small, prompt, length)

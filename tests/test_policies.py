@@ -15,7 +15,8 @@ from specjax import policies
 from specjax.models import cpu_kernels
 from specjax.generation import prepare
 from specjax.processors.sampling import Sampling
-from conftest import PROMPTS, exact_continuations, greedy_oracle, target_and_draft, tiny_model
+from conftest import (LAW_ROWS, PROMPTS, exact_continuations, greedy_oracle, target_and_draft,
+                      tiny_model)
 
 SETTINGS = {  # each policy set so that rows really draft fewer than γ tokens
     "heuristic": {},
@@ -62,7 +63,7 @@ def test_greedy_with_an_eagle_head_and_confidence():
 @pytest.mark.parametrize("policy,gamma", [("heuristic", 2), ("confidence", 3), ("ledger", 3)])
 def test_three_token_law(policy, gamma):
   target, draft = target_and_draft()
-  prompt, length, rows = [3, 1, 3], 3, 20000
+  prompt, length, rows = [3, 1, 3], 3, LAW_ROWS
   _, probs = exact_continuations(target, prompt, length)
   res = specjax.generate(target, [prompt] * rows, max_new_tokens=length, temperature=1.0,
                          seed=5, draft=draft, gamma=gamma, gamma_policy=policy,

@@ -16,7 +16,7 @@ from absl.testing import parameterized
 import specjax
 from specjax.processors import constraints
 from specjax import decode as decode_lib
-from conftest import decode_traces, target_and_draft, tiny_model
+from conftest import LAW_ROWS, decode_traces, target_and_draft, tiny_model
 
 EOS = 5
 VOCAB = 8
@@ -105,7 +105,7 @@ class LawTest(parameterized.TestCase):
       ("combined_ngram", dict(PENALTIES, no_repeat_ngram_size=2, min_new_tokens=1), "ngram"))
   def test_three_token_law(self, kw, drafter):
     target, draft = target_and_draft()
-    rows, length = 12000, 3
+    rows, length = LAW_ROWS, 3
     law = exact_law(target, PROMPT, length, TEMPERATURE, kw)
     res = specjax.generate(target, [PROMPT] * rows, max_new_tokens=length,
                            temperature=TEMPERATURE, seed=5, gamma=3, eos_id=EOS,
@@ -115,11 +115,16 @@ class LawTest(parameterized.TestCase):
     self.assertGreater(res.stats["rounds"], rows)  # drafts were rejected and rolled back
 
   def test_wrong_state_is_caught(self):
-    """Penalty state from the committed history at every draft position fails the check."""
+    """Penalty state from the committed history at every draft position fails the check
+    that the right engine passes on the same inputs."""
     target, draft = target_and_draft()
-    rows, length = 12000, 3
+    rows, length = LAW_ROWS, 3
     law = exact_law(target, PROMPT, length, TEMPERATURE, PENALTIES)
     right = decode_lib._per_prefix
+    kw = dict(max_new_tokens=length, temperature=TEMPERATURE, seed=5, gamma=3, draft=draft,
+              eos_id=EOS, **PENALTIES)  # without eos_id the rows run on past EOS and fail
+    ok, worst = law_check(law, specjax.generate(target, [PROMPT] * rows, **kw).tokens, length)
+    self.assertTrue(ok, f"the right engine failed (worst z={worst})")
 
     def committed_only(sampling, history, tokens):
       out = right(sampling, history, tokens)
@@ -131,8 +136,7 @@ class LawTest(parameterized.TestCase):
     decode_lib._per_prefix = committed_only
     decode_lib.decode.clear_cache()
     try:
-      res = specjax.generate(target, [PROMPT] * rows, max_new_tokens=length,
-                             temperature=TEMPERATURE, seed=5, gamma=3, draft=draft, **PENALTIES)
+      res = specjax.generate(target, [PROMPT] * rows, **kw)
     finally:
       decode_lib._per_prefix = right
       decode_lib.decode.clear_cache()
@@ -147,7 +151,7 @@ class LawTest(parameterized.TestCase):
     nxt[2, [0, 1, 2, 3]] = 2
     automaton = constraints.TokenAutomaton(next=nxt, accept=np.array([False, False, True]))
     target, draft = target_and_draft()
-    rows, length = 12000, 3
+    rows, length = LAW_ROWS, 3
     law = exact_law(target, PROMPT, length, 1.0, {}, automaton)
     res = specjax.generate(target, [PROMPT] * rows, max_new_tokens=length, temperature=1.0,
                            seed=3, gamma=2, draft=draft, constraint=automaton, eos_id=EOS)

@@ -11,8 +11,8 @@ import specjax
 from specjax import decode as decode_lib
 from specjax import drafters
 from specjax.generation import prepare
-from conftest import (PROMPTS, decode_traces, exact_continuations, greedy_oracle, target_and_draft,
-                      tempered, tiny_model)
+from conftest import (LAW_ROWS, PROMPTS, decode_traces, exact_continuations, greedy_oracle,
+                      target_and_draft, tempered, tiny_model)
 
 
 class DistributionTest(parameterized.TestCase):
@@ -24,7 +24,7 @@ class DistributionTest(parameterized.TestCase):
       ("ngram_g3", dict(gamma=3, drafter="ngram"), 1.0))
   def test_three_token_law(self, spec, temperature):
     target, draft = target_and_draft()
-    prompt, length, rows = [3, 1, 3], 3, 20000
+    prompt, length, rows = [3, 1, 3], 3, LAW_ROWS
     law_of = target if temperature == 1.0 else tempered(target, temperature)
     conts, probs = exact_continuations(law_of, prompt, length)
     res = specjax.generate(target, [prompt] * rows, max_new_tokens=length,

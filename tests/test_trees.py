@@ -14,8 +14,8 @@ from specjax import generation
 from specjax.models import kv_cache
 from specjax.models import model as model_lib
 from specjax import trees
-from conftest import (PROMPTS, exact_continuations, greedy_oracle, target_and_draft, tempered,
-                      tiny_model)
+from conftest import (LAW_ROWS, PROMPTS, exact_continuations, greedy_oracle, target_and_draft,
+                      tempered, tiny_model)
 from test_processors import EOS, PROMPT as PROC_PROMPT, exact_law, law_check
 
 
@@ -151,7 +151,7 @@ class LawTest(parameterized.TestCase):
       ("chain_as_tree", (1, 1, 1), "probabilistic", 1.0, 1.0))
   def test_three_token_law(self, tree, mode, temperature, top_p):
     target, draft = target_and_draft()
-    prompt, length, rows = [3, 1, 3], 3, 12000
+    prompt, length, rows = [3, 1, 3], 3, LAW_ROWS
     res = specjax.generate(target, [prompt] * rows, max_new_tokens=length, draft=draft,
                            tree=tree, draft_sample=mode, temperature=temperature,
                            top_p=top_p, seed=4)
@@ -315,7 +315,7 @@ class ProcessorTest(parameterized.TestCase):
             min_new_tokens=1, logit_bias={2: 1.5})))
   def test_three_token_law(self, tree, mode, kw):
     target, draft = target_and_draft()
-    rows, length, temperature = 12000, 3, 0.8
+    rows, length, temperature = LAW_ROWS, 3, 0.8
     law = exact_law(target, PROC_PROMPT, length, temperature, kw)
     res = specjax.generate(target, [PROC_PROMPT] * rows, max_new_tokens=length, draft=draft,
                            tree=tree, draft_sample=mode, temperature=temperature, seed=6,
@@ -369,7 +369,7 @@ class NgramTreeTest(parameterized.TestCase):
 
   def test_three_token_law_T1(self):
     target, _ = target_and_draft()
-    prompt, length, rows = [3, 1, 3, 1, 2, 3, 1], 3, 12000
+    prompt, length, rows = [3, 1, 3, 1, 2, 3, 1], 3, LAW_ROWS
     res = specjax.generate(target, [prompt] * rows, max_new_tokens=length, drafter="ngram",
                            tree=(2, 2, 1), temperature=1.0, seed=4)
     conts, probs = exact_continuations(target, prompt, length)
