@@ -11,8 +11,28 @@ import specjax
 from specjax import decode as decode_lib
 from specjax import drafters
 from specjax.generation import prepare
+from specjax.verify import exact as exact_rule
 from conftest import (LAW_ROWS, PROMPTS, decode_traces, exact_continuations, greedy_oracle,
                       target_and_draft, tempered, tiny_model)
+
+
+def three_token_law(spec, temperature):
+  """(result, whether every cell is within 5 sd, the worst z) of LAW_ROWS 3-token
+  continuations of [3, 1, 3] against the exact law."""
+  target, draft = target_and_draft()
+  prompt, length, rows = [3, 1, 3], 3, LAW_ROWS
+  law_of = target if temperature == 1.0 else tempered(target, temperature)
+  conts, probs = exact_continuations(law_of, prompt, length)
+  res = specjax.generate(target, [prompt] * rows, max_new_tokens=length,
+                         temperature=temperature, seed=11,
+                         draft=None if spec.get("drafter") == "ngram" else draft, **spec)
+  outs = np.array(res.tokens)
+  index = np.ravel_multi_index(outs.T, (8,) * length)
+  counts = np.bincount(index, minlength=8 ** length)
+  sd = np.sqrt(rows * probs * (1 - probs))
+  worst = np.max(np.abs(counts - rows * probs) / (sd + 1e-12))
+  # 512 cells: 5 sd each keeps the family-wise false alarm rate below 1e-3.
+  return res, bool(np.all(np.abs(counts - rows * probs) <= 5 * sd + 1)), worst
 
 
 class DistributionTest(parameterized.TestCase):
@@ -23,22 +43,10 @@ class DistributionTest(parameterized.TestCase):
       ("model_greedy_draft_g2_hot", dict(gamma=2, draft_sample="greedy"), 1.5),
       ("ngram_g3", dict(gamma=3, drafter="ngram"), 1.0))
   def test_three_token_law(self, spec, temperature):
-    target, draft = target_and_draft()
-    prompt, length, rows = [3, 1, 3], 3, LAW_ROWS
-    law_of = target if temperature == 1.0 else tempered(target, temperature)
-    conts, probs = exact_continuations(law_of, prompt, length)
-    res = specjax.generate(target, [prompt] * rows, max_new_tokens=length,
-                           temperature=temperature, seed=11,
-                           draft=None if spec.get("drafter") == "ngram" else draft, **spec)
-    outs = np.array(res.tokens)
-    index = np.ravel_multi_index(outs.T, (8,) * length)
-    counts = np.bincount(index, minlength=8 ** length)
-    sd = np.sqrt(rows * probs * (1 - probs))
-    worst = np.max(np.abs(counts - rows * probs) / (sd + 1e-12))
-    # 512 cells: 5 sd each keeps the family-wise false alarm rate below 1e-3.
-    self.assertTrue(np.all(np.abs(counts - rows * probs) <= 5 * sd + 1), f"worst z={worst}")
+    res, ok, worst = three_token_law(spec, temperature)
+    self.assertTrue(ok, f"worst z={worst}")
     self.assertLess(res.stats["acceptance_rate"], 0.95)  # the draft really disagreed
-    self.assertGreater(res.stats["rounds"], rows)  # and rounds were rolled back
+    self.assertGreater(res.stats["rounds"], LAW_ROWS)  # and rounds were rolled back
 
 
 class GreedyTest(parameterized.TestCase):
@@ -302,3 +310,22 @@ class SpeculativeBadInputTest(parameterized.TestCase):
     prompts = kwargs.pop("prompts", [[1, 2]])
     with self.assertRaisesRegex(ValueError, message):
       specjax.generate(target, prompts, max_new_tokens=4, **kwargs)
+
+
+class OverAcceptanceTest(parameterized.TestCase):
+  """Last in the file: it clears the compiled engines the tests above share."""
+
+  def test_over_acceptance_is_caught(self):
+    """LAW_ROWS is enough: accepting with min(1, 1.3 p/q) fails the check that the right
+    rule passes on the same inputs (model_probabilistic_g3)."""
+    right = exact_rule.acceptance_prob
+    over = lambda p, q, y: jnp.minimum(1.3 * right(p, q, y), 1.0)
+    # A new verify_batch: lax.cond keeps the trace of the one it has seen.
+    with mock.patch.object(exact_rule, "acceptance_prob", over), mock.patch.object(
+        exact_rule, "verify_batch", jax.vmap(exact_rule.verify)):
+      decode_lib.decode.clear_cache()
+      try:
+        _, ok, worst = three_token_law(dict(gamma=3, draft_sample="probabilistic"), 1.0)
+      finally:
+        decode_lib.decode.clear_cache()
+    self.assertFalse(ok, f"the over-accepting rule passed (worst z={worst})")
