@@ -91,6 +91,20 @@ PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 0, 1, 2, 3, 4], [7]]
 LAW_ROWS = 6000
 
 
+def within_law(tokens, probs, sds=5.0, vocab=8):
+  """(whether every cell is within `sds` sd + 1 count, the worst cell's z = (|count −
+  expected| − 1) / sd) of sampled continuations tokens [rows, L] against their exact law
+  probs [vocab ** L]. 512 cells (L = 3) at 5 sd each: a family-wise false alarm rate
+  below 1e-3."""
+  outs = np.asarray(tokens)
+  rows, length = outs.shape
+  counts = np.bincount(np.ravel_multi_index(outs.T, (vocab,) * length),
+                       minlength=vocab ** length)
+  sd = np.sqrt(rows * probs * (1 - probs))
+  excess = np.abs(counts - rows * probs) - 1
+  return bool(np.all(excess <= sds * sd)), float(np.max(excess / (sd + 1e-12)))
+
+
 def target_and_draft():
   return (tiny_model(vocab=8, n_layers=2, seed=0),
           tiny_model(vocab=8, d_model=16, n_layers=1, seed=1))

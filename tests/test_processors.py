@@ -16,7 +16,7 @@ from absl.testing import parameterized
 import specjax
 from specjax.processors import constraints
 from specjax import decode as decode_lib
-from conftest import LAW_ROWS, decode_traces, target_and_draft, tiny_model
+from conftest import LAW_ROWS, decode_traces, target_and_draft, tiny_model, within_law
 
 EOS = 5
 VOCAB = 8
@@ -71,22 +71,14 @@ def exact_law(model, prompt, length, temperature, kw, automaton=None):
 
 
 def law_check(law, outs, length):
-  """Max z-score of the empirical counts against the exact law (5 sd per cell).
-
-  A row ends at EOS: tokens after it are zeros on both sides (their mass is merged).
-  """
+  """`within_law` for rows that end at EOS: tokens after it are zeros on both sides
+  (their mass is merged)."""
   conts, probs = law
   ended = np.cumsum(np.cumsum(conts == EOS, axis=1), axis=1) > 1  # strictly after EOS
   conts = np.where(ended, 0, conts)
   index = np.ravel_multi_index(conts.T, (VOCAB,) * length)
   probs = np.bincount(index, weights=probs, minlength=VOCAB ** length)
-  outs = [t + [0] * (length - len(t)) for t in outs]
-  rows = len(outs)
-  counts = np.bincount(np.ravel_multi_index(np.array(outs).T, (VOCAB,) * length),
-                       minlength=VOCAB ** length)
-  sd = np.sqrt(rows * probs * (1 - probs))
-  return bool(np.all(np.abs(counts - rows * probs) <= 5 * sd + 1)), float(
-      np.max(np.abs(counts - rows * probs) / (sd + 1e-12)))
+  return within_law([t + [0] * (length - len(t)) for t in outs], probs, vocab=VOCAB)
 
 
 PENALTIES = dict(repetition_penalty=2.5, presence_penalty=0.7, frequency_penalty=0.4)

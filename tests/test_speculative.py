@@ -13,26 +13,19 @@ from specjax import drafters
 from specjax.generation import prepare
 from specjax.verify import exact as exact_rule
 from conftest import (LAW_ROWS, PROMPTS, decode_traces, exact_continuations, greedy_oracle,
-                      target_and_draft, tempered, tiny_model)
+                      target_and_draft, tempered, tiny_model, within_law)
 
 
 def three_token_law(spec, temperature):
-  """(result, whether every cell is within 5 sd, the worst z) of LAW_ROWS 3-token
-  continuations of [3, 1, 3] against the exact law."""
+  """(result, *`within_law`) of LAW_ROWS 3-token continuations of [3, 1, 3]."""
   target, draft = target_and_draft()
   prompt, length, rows = [3, 1, 3], 3, LAW_ROWS
   law_of = target if temperature == 1.0 else tempered(target, temperature)
-  conts, probs = exact_continuations(law_of, prompt, length)
+  _, probs = exact_continuations(law_of, prompt, length)
   res = specjax.generate(target, [prompt] * rows, max_new_tokens=length,
                          temperature=temperature, seed=11,
                          draft=None if spec.get("drafter") == "ngram" else draft, **spec)
-  outs = np.array(res.tokens)
-  index = np.ravel_multi_index(outs.T, (8,) * length)
-  counts = np.bincount(index, minlength=8 ** length)
-  sd = np.sqrt(rows * probs * (1 - probs))
-  worst = np.max(np.abs(counts - rows * probs) / (sd + 1e-12))
-  # 512 cells: 5 sd each keeps the family-wise false alarm rate below 1e-3.
-  return res, bool(np.all(np.abs(counts - rows * probs) <= 5 * sd + 1)), worst
+  return (res, *within_law(res.tokens, probs))
 
 
 class DistributionTest(parameterized.TestCase):
