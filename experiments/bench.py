@@ -65,6 +65,9 @@ def bench_point(target, draft, prompts, gamma, batch, temperature, max_new, pair
       "measured_over_predicted": timing["speedup"] / predicted,
       "predicted_call_speedup": predicted_call,
       "measured_over_predicted_call": timing["speedup"] / predicted_call,
+      # Every draft accepted, at the same round cost and fixed parts: an upper bound.
+      "ceiling_call_speedup": ledger.ceiling_call_speedup(
+          gamma + 1, max_new, calls["round"], calls["fixed_method"], calls["fixed_baseline"]),
       "round_ratio": calls["round"], "fixed_method": calls["fixed_method"],
       "fixed_baseline": calls["fixed_baseline"],
       "alpha_hat": alpha, "tokens_per_target_call": stats["tokens_per_target_call"],
@@ -86,6 +89,7 @@ COLUMNS = [
     ("measured/predicted", "measured_over_predicted", ".2f"),
     ("predicted (call)", "predicted_call_speedup", "x"),
     ("measured/predicted (call)", "measured_over_predicted_call", ".2f"),
+    ("ceiling (call)", "ceiling_call_speedup", "x"),
     ("α̂", "alpha_hat", ".3f"),
     ("tokens/call", "tokens_per_target_call", ".2f"), ("round ms", "round_ms", ".2f"),
     ("draft", "draft_ms", ".2f"), ("verify", "verify_ms", ".2f"), ("rest", "rest_ms", ".2f"),

@@ -133,7 +133,8 @@ SUMMARY_COLUMNS = [
     ("c", "c", ".3f"), ("v(γ)", "v", ".2f"),
     ("tok/s", "tokens_per_s", ".0f"), ("target-only tok/s", "target_only_tokens_per_s", ".0f"),
     ("speedup (min–max)", "speedup", "x"), ("predicted", "predicted_speedup", "x"),
-    ("round ρ", "round_ratio", ".2f"), ("predicted (call)", "predicted_call_speedup", "x")]
+    ("round ρ", "round_ratio", ".2f"), ("predicted (call)", "predicted_call_speedup", "x"),
+    ("ceiling (call)", "ceiling_call_speedup", "x")]
 
 
 def summary_table(rows: list[dict]) -> str:
@@ -143,7 +144,9 @@ def summary_table(rows: list[dict]) -> str:
   lines = [common.markdown_table(order, SUMMARY_COLUMNS), "",
            "E(α̂, L): the ledger's tokens per round over the measured draft lengths L "
            "(Σ P(L) E(α̂, L)); drafting: the share of rounds that drafted (the n-gram "
-           "drafter drafts nothing without a match)."]
+           "drafter drafts nothing without a match); ceiling (call): the whole call's "
+           "speedup were every draft accepted, at the measured round cost ρ and fixed "
+           "parts (an upper bound: what better acceptance alone could buy here)."]
   best = max(rows, key=lambda r: r["speedup"])
   lines += ["", f"Best measured: {best['speedup']:.2f}x with the {best['drafter']} drafter, "
             f"γ={best['gamma']}, T={best['temperature']}, batch {best['batch_size']} "

@@ -252,6 +252,11 @@ def make_row(point, timing, sc, machine, calls=None) -> dict:
         predicted_call_speedup=float(ledger.predicted_call_speedup(
             expected, calls["new_tokens"], calls["round"], calls["fixed_method"],
             calls["fixed_baseline"], rounds)),
+        # Were every draft accepted: γ + 1 tokens a round (a tree's γ is its depth),
+        # its rounds counted as the prediction counts them.
+        ceiling_call_speedup=ledger.ceiling_call_speedup(
+            gamma + 1, calls["new_tokens"], calls["round"], calls["fixed_method"],
+            calls["fixed_baseline"], cut_last=rounds is not None),
         predicted_rounds=rounds,
         round_ratio=calls["round"], round_ratio_min=calls["round_min"],
         round_ratio_max=calls["round_max"], fixed_method=calls["fixed_method"],

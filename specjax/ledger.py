@@ -147,6 +147,26 @@ def predicted_call_speedup(expected, new_tokens, round_ratio, fixed_method, fixe
   return (fixed_baseline + new_tokens) / (fixed_method + rounds * round_ratio)
 
 
+def ceiling_call_speedup(tokens_per_round: int, new_tokens: int, round_ratio, fixed_method,
+                         fixed_baseline, cut_last: bool = True) -> float:
+  """The whole call's speedup were every draft accepted: `predicted_call_speedup` with
+  every round committing `tokens_per_round` (γ + 1; a tree's depth + 1), ceil(N / (γ + 1))
+  rounds (cut_last=False: N / (γ + 1), as a prediction from N / E counts them), at the
+  measured round cost ρ and fixed parts.
+
+  What better acceptance alone could buy on this machine at these call shapes. An upper
+  bound, since a round that accepts more costs no less: its verify pass is as wide or
+  wider (a narrowed pass, `decode._verify_pass`) and its draft catches up as many tokens
+  or more. Where ρ was measured with rounds that drafted nothing (prompt lookup without
+  a match), the bound is looser still.
+  """
+  commits = np.zeros(int(tokens_per_round))
+  commits[-1] = 1.0
+  rounds = rounds_to_commit(commits, new_tokens) if cut_last else None
+  return float(predicted_call_speedup(tokens_per_round, new_tokens, round_ratio,
+                                      fixed_method, fixed_baseline, rounds))
+
+
 def commits_by_position(rates, gamma: int) -> np.ndarray:
   """P(a round commits k + 1 tokens), k = 0..γ, from P(accept i | position i reached).
 

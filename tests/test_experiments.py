@@ -87,9 +87,12 @@ def test_policy_and_rule_axes(tmp_path):
     assert r["round_ratio_min"] <= r["round_ratio"] <= r["round_ratio_max"]
     assert r["fixed_method"] > 0 and r["fixed_baseline"] > 0  # prefill and host work
     assert r["predicted_call_speedup"] > 0, r
+    # Every draft accepted, at the same round cost: no acceptance predicts more.
+    assert r["ceiling_call_speedup"] >= r["predicted_call_speedup"], r
   summary = (tmp_path / "summary.md").read_text()
   assert "γ policy ledger" in summary and "rule typical" in summary
   assert "of 4 points by the ledger" in summary and "round ρ" in summary
+  assert "ceiling (call)" in summary
 
 
 def test_rerun_skips_done_points(smoke):

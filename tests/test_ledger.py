@@ -76,6 +76,20 @@ def test_predicted_call_speedup():
   assert 1 < s < e / rho
 
 
+def test_ceiling_call_speedup():
+  # Every round commits γ + 1 = 5: ceil(64 / 5) = 13 rounds of ρ = 2, fixed parts 10 and 8.
+  np.testing.assert_allclose(ledger.ceiling_call_speedup(5, 64, 2.0, 10.0, 8.0),
+                             72 / (10 + 13 * 2.0))
+  np.testing.assert_allclose(ledger.ceiling_call_speedup(5, 64, 2.0, 10.0, 8.0, cut_last=False),
+                             72 / (10 + 64 / 5 * 2.0))
+  # No acceptance rate predicts more than the ceiling at the same costs.
+  for alpha in (0.0, 0.5, 0.9, 0.99):
+    rounds = ledger.rounds_to_commit(ledger.commits_by_position([alpha], 4), 64)
+    s = ledger.predicted_call_speedup(ledger.expected_tokens(alpha, 4), 64, 2.0, 10.0, 8.0,
+                                      rounds)
+    assert s < ledger.ceiling_call_speedup(5, 64, 2.0, 10.0, 8.0)
+
+
 def test_rounds_to_commit_a_budget():
   # One rate for every position is the i.i.d. law: mean E(α, γ).
   law = ledger.commits_by_position([0.7], 3)
