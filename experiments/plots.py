@@ -103,10 +103,18 @@ def write_report(rows: list[dict], workdir) -> None:
       ax.errorbar(g, mid, yerr=spread, fmt="o-", color=color, capsize=3,
                   label=f"T={t} measured (paired median, min–max)")
       ax.plot(g, [r["predicted_speedup"] for r in rs], "x--", color=color,
-              label=f"T={t} predicted")
+              label=f"T={t} predicted (ledger)")
+      # The whole call's prediction and ceiling, where measured (call_costs) for every γ.
+      for field, fmt, what in (("predicted_call_speedup", "+:", "predicted (call)"),
+                               ("ceiling_call_speedup", "_", "ceiling (call): all accepted")):
+        if all(r.get(field) is not None for r in rs):
+          ax.plot(g, [r[field] for r in rs], fmt, color=color, ms=12, mew=2,
+                  label=f"T={t} {what}")
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set(title=_title(key), xlabel="γ", ylabel="speedup vs target-only")
-    ax.legend(fontsize=7)
+    # Below the axes: eight entries would hide the points.
+    ax.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.16))
+  fig.set_figheight(5.5)
   fig.tight_layout()
   fig.savefig(workdir / PLOTS[2], dpi=110)
   plt.close(fig)
