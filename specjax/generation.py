@@ -222,21 +222,33 @@ def with_rates(counts: dict[str, Any]) -> dict[str, Any]:
 
 def summarize_stats(state: decode_lib.DecodeState, gamma: int) -> dict[str, Any]:
   """The run's counters summed over rows, and every rate (`with_rates`)."""
-  return _summary(*jax.device_get((state.stats, state.target_calls, state.draft_steps)),
-                  gamma)
+  return _summary(*on_host((state.stats, state.target_calls, state.draft_steps)), gamma)
+
+
+def on_host(tree):
+  """`jax.device_get(tree)`, without its copies on a CPU.
+
+  On a CPU `np.asarray` reads a result's buffer where it lies (~1.5 µs a leaf), where
+  `device_get` first starts a copy of every leaf (~15 µs each: 0.3 ms of a `generate`
+  call's ~20 leaves, docs/ARCHITECTURE.md). Off a CPU, those copies overlap: kept.
+  """
+  leaves = jax.tree_util.tree_leaves(tree)
+  if all(d.platform == "cpu" for x in leaves if isinstance(x, jax.Array) for d in x.devices()):
+    return jax.tree_util.tree_map(np.asarray, tree)
+  return jax.device_get(tree)
 
 
 def fetch(state: decode_lib.DecodeState, gamma: int):
-  """(tokens, n, prompt_len, `summarize_stats`) on the host, in one transfer (each
+  """(tokens, n, prompt_len, `summarize_stats`) on the host, fetched together (each
   separate fetch waits on its own)."""
-  tokens, n, prompt_len, *counters = jax.device_get(
+  tokens, n, prompt_len, *counters = on_host(
       (state.tokens, state.n, state.prompt_len, state.stats, state.target_calls,
        state.draft_steps))
   return tokens, n, prompt_len, _summary(*counters, gamma)
 
 
 def _summary(s, target_calls, draft_steps, gamma: int) -> dict[str, Any]:
-  """`summarize_stats` of values on the host (one transfer fetched them all)."""
+  """`summarize_stats` of values on the host (`fetch` got them together)."""
   counts = {key: int(np.sum(getattr(s, key))) for key in
             ("rounds", "drafted", "accepted", "committed", "overlap_count")}
   counts.update(rows=int(s.rounds.shape[0]), target_calls=int(target_calls),

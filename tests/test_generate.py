@@ -139,3 +139,19 @@ def test_seed_key_is_prng_key():
   from specjax import generation
   for seed in (0, 1, 7, 2 ** 31, 2 ** 32 - 1):
     np.testing.assert_array_equal(generation.seed_key(seed), jax.random.PRNGKey(seed))
+
+
+def test_on_host_matches_device_get():
+  """`generation.on_host` reads CPU results in place: the same values and dtypes as
+  `jax.device_get`, numpy leaves passed through, None kept."""
+  from specjax import generation
+  out = jax.jit(lambda x: (x + 1, {"f": x * 0.5, "none": None}, x.sum()))(
+      np.arange(6, dtype=np.int32).reshape(2, 3))
+  tree = (out, np.array([7, 8], np.int16))
+  got, want = generation.on_host(tree), jax.device_get(tree)
+  got_leaves, want_leaves = jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)
+  assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+  assert len(got_leaves) == 4
+  for g, w in zip(got_leaves, want_leaves):
+    assert isinstance(g, np.ndarray) and g.dtype == w.dtype
+    np.testing.assert_array_equal(g, w)
