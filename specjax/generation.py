@@ -32,7 +32,7 @@ class Prepared:
   weights: decode_lib.Weights
   prompt_width: int
   cache_size: int
-  tokens: np.ndarray  # int32[B, cache_size], prompts left-aligned
+  tokens: np.ndarray  # int32[B, cache_size], prompts left-aligned (on a mesh: placed)
   prompt_len: np.ndarray  # int32[B]
   sampling: Sampling
 
@@ -375,8 +375,8 @@ def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p
     sc = costs.step_costs(target, drafter_obj, draft_params, batch, longest,
                           temperature=float(np.max(temperature)), repeats=2)
     policy = dataclasses.replace(policy, draft_cost=sc["c"] / sc["v"], verify_cost=sc["v"])
-  # Left on the host: the compiled call moves numpy arguments itself, ~0.6 ms a call
-  # sooner than a `jax.device_put` of them here (docs/ARCHITECTURE.md, thirteenth pass).
+  # Left on the host: the compiled call moves numpy arguments itself for next to nothing,
+  # where a `jax.device_put` of them here took 0.3-0.6 ms (ARCHITECTURE.md, thirteenth pass).
   prompt_len = np.asarray([len(p) for p in prompts], np.int32)
   return Prepared(
       engine=decode_lib.Engine(target=target.config, drafter=drafter_obj, rule=rule,
