@@ -220,11 +220,6 @@ def with_rates(counts: dict[str, Any]) -> dict[str, Any]:
   )
 
 
-def summarize_stats(state: decode_lib.DecodeState, gamma: int) -> dict[str, Any]:
-  """The run's counters summed over rows, and every rate (`with_rates`)."""
-  return _summary(*on_host((state.stats, state.target_calls, state.draft_steps)), gamma)
-
-
 def on_host(tree):
   """`jax.device_get(tree)`, without its copies on a CPU.
 
@@ -239,8 +234,9 @@ def on_host(tree):
 
 
 def fetch(state: decode_lib.DecodeState, gamma: int):
-  """(tokens, n, prompt_len, `summarize_stats`) on the host, fetched together (each
-  separate fetch waits on its own)."""
+  """(tokens, n, prompt_len, stats) on the host, fetched together (each separate fetch
+  waits on its own); stats: the run's counters summed over rows, and every rate
+  (`with_rates`)."""
   tokens, n, prompt_len, *counters = on_host(
       (state.tokens, state.n, state.prompt_len, state.stats, state.target_calls,
        state.draft_steps))
@@ -248,7 +244,7 @@ def fetch(state: decode_lib.DecodeState, gamma: int):
 
 
 def _summary(s, target_calls, draft_steps, gamma: int) -> dict[str, Any]:
-  """`summarize_stats` of values on the host (`fetch` got them together)."""
+  """`fetch`'s stats from the counters it got on the host."""
   counts = {key: int(np.sum(getattr(s, key))) for key in
             ("rounds", "drafted", "accepted", "committed", "overlap_count")}
   counts.update(rows=int(s.rounds.shape[0]), target_calls=int(target_calls),
