@@ -9,6 +9,7 @@ r"""Where the time of a cached forward goes, per op, for T new tokens; and v(γ)
   python -m experiments.profile_forward --trace=false --ops=false --max_gamma=4 --live_gamma=4  # narrowed passes
   python -m experiments.profile_forward --trace=false --ops=false --compare=false --products  # the kernels' own v(γ)
   python -m experiments.profile_forward --trace=false --ops=false --compare=false --max_gamma=1 --floor_tokens=0 --parts=none,ngram:2,model:1,eagle:1
+  python -m experiments.profile_forward --trace=false --ops=false --compare=false --max_gamma=1 --floor_tokens=0 --host=none,ngram:4,model:1,eagle:1
 
 Tables, each from paired, interleaved timing (the machine is shared: nothing here
 is a ratio of two separate runs; each ratio is the median of per-round ratios, with its
@@ -40,6 +41,10 @@ min and max):
    can lower.
 7. With --parts: decode rounds against their parts in 1-token steps (`costs.round_parts`:
    the round, `propose`, the verify pass, and the rest), each drafter:γ listed.
+8. With --host: a `generate` call's parts outside its rounds, each drafter:γ listed:
+   `prepare`, the compiled call stopped after 0 rounds (its dispatch, the KV buffers and
+   the prefill of both models) and `fetch`, in ms and in 1-token steps, every entry
+   timed in turn after a step in each repeat.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ import platform
 import re
 import statistics
 import tempfile
+import time
 
 # Per-thunk trace events must be switched on before XLA starts (appended, never replacing
 # what the user set).
@@ -104,6 +110,9 @@ _PARTS = flags.DEFINE_list("parts", [], "Decode rounds against their parts (prop
                            "verify pass, the rest), T = 0, on a held-out prompt: drafter:γ "
                            "entries, e.g. none,ngram:2,model:1,eagle:1 (heads: stdlib-eagle, "
                            "stdlib-medusa; the model: --draft).")
+_HOST = flags.DEFINE_list("host", [], "A generate call's host parts (prepare, the compiled "
+                         "call stopped after 0 rounds, fetch) per drafter:γ listed "
+                         "(drafters as --parts).")
 _LIVE = flags.DEFINE_integer("live_gamma", 0, "Also time the (γ+1)-token pass computing "
                              "only L + 1 tokens, L = 0..γ (0: off).")
 _PRODUCTS = flags.DEFINE_bool("products", False, "Also time the forward's matrix products "
@@ -456,6 +465,9 @@ def main(argv):
   if _PARTS.value:
     parts_table(model, pairs)
 
+  if _HOST.value:
+    host_table(model, pairs)
+
 
 def live_table(model, batch, context, cache, iters, pairs, gamma):
   """The (γ+1)-token pass with L + 1 live tokens and the whole (L+1)-token pass, each
@@ -540,17 +552,22 @@ def products_table(model, max_rows, iters, pairs):
           f"{2 * warm_macs * r / w / 1e9:.1f} |")
 
 
-def prepared_rounds(model, prompt, name, gamma, rounds):
-  """`generation.prepare` of a T = 0 call of drafter `name` (none: target-only) at γ,
-  with room for `rounds` rounds however many tokens each commits; the model drafter's
-  draft is --draft, a head's the shipped one."""
-  kw = dict(max_new_tokens=rounds * (gamma + 1) + 8, temperature=0.0)
+def call_kwargs(name, gamma, new_tokens):
+  """`specjax.generate` keyword arguments of a T = 0 call of drafter `name` (none:
+  target-only) at γ; the model drafter's draft is --draft, a head's the shipped one."""
+  kw = dict(max_new_tokens=new_tokens, temperature=0.0)
   if name != "none":
     kw.update(drafter=name, gamma=gamma)
   if name in common.DEFAULT_DRAFTS:
     kw["draft"] = load_pretrained(_DRAFT.value if name == "model"
                                   else common.DEFAULT_DRAFTS[name])
-  return costs._prepare(model, prompt, kw)
+  return kw
+
+
+def prepared_rounds(model, prompt, name, gamma, rounds):
+  """`generation.prepare` of `call_kwargs`, with room for `rounds` rounds however many
+  tokens each commits."""
+  return costs._prepare(model, prompt, call_kwargs(name, gamma, rounds * (gamma + 1) + 8))
 
 
 def round_table(model, context, pairs, rounds=16):
@@ -585,6 +602,47 @@ def parts_table(model, pairs, rounds=64, prompt_tokens=64):
     cell = lambda k: f"{parts[k]:.2f} ({parts[k + '_min']:.2f}-{parts[k + '_max']:.2f})"
     print(f"| {name} | {prepared.engine.gamma} | {cell('round')} | {cell('propose')} | "
           f"{cell('verify')} | {cell('rest')} | {parts['step_s'] * 1e3:.3f} ms |")
+
+
+
+def host_table(model, pairs, prompt_tokens=64, new_tokens=64):
+  """A `generate` call's parts outside its rounds, per --host entry (ARCHITECTURE.md,
+  "Thirteenth pass"): `prepare`, the compiled call stopped after 0 rounds and waited
+  for, and `fetch`. Each repeat times a 1-token step, then every entry in turn."""
+  from specjax import generation
+  prompt = common.heldout_prompts(model.tokenizer, "stdlib", 1, prompt_tokens)
+  step = forward_timer(model, 1, 1, prompt_tokens, _CACHE.value, 32)
+  entries = []
+  for entry in _HOST.value:
+    name, _, gamma = entry.partition(":")
+    gamma = int(gamma) if gamma else (0 if name == "none" else 4)
+    entries.append((name, gamma, call_kwargs(name, gamma, new_tokens)))
+  key = jax.random.PRNGKey(0)
+  parts = ("prepare", "call", "fetch")
+  times = collections.defaultdict(list)
+  for i in range(pairs + 1):  # the first repeat compiles
+    one = step()
+    for name, gamma, kw in entries:
+      t0 = time.perf_counter()
+      args = costs._prepare(model, prompt, kw)
+      t1 = time.perf_counter()
+      state = jax.block_until_ready(args.run(key, 0))
+      t2 = time.perf_counter()
+      generation.fetch(state, args.engine.gamma)
+      t3 = time.perf_counter()
+      if i:
+        for part, seconds in zip(parts + ("sum",), (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
+          times[name, gamma, part].append(seconds)
+          times[name, gamma, part, "steps"].append(seconds / one)
+        times["step"].append(one)
+  print(f"\nA call's parts outside its rounds ({prompt_tokens}-token prompt, "
+        f"{new_tokens} new tokens, T = 0; 1-token step "
+        f"{statistics.median(times['step']) * 1e3:.3f} ms): ms (1-token steps)\n"
+        "| drafter | γ | prepare | call, 0 rounds | fetch | sum |\n|---|---|---|---|---|---|")
+  for name, gamma, _ in entries:
+    cell = lambda part: (f"{statistics.median(times[name, gamma, part]) * 1e3:.3f} "
+                         f"({statistics.median(times[name, gamma, part, 'steps']):.1f})")
+    print(f"| {name} | {gamma} | " + " | ".join(cell(p) for p in parts + ("sum",)) + " |")
 
 
 if __name__ == "__main__":
