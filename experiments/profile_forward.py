@@ -587,14 +587,19 @@ def round_table(model, context, pairs, rounds=16):
           f"{1 / got['ratio']:.2f} ({1 / got['ratio_max']:.2f}-{1 / got['ratio_min']:.2f}) |")
 
 
+def drafter_entry(entry: str) -> tuple[str, int]:
+  """'drafter:γ' of --parts and --host -> (drafter, γ); γ defaults to 4 (target-only: 0)."""
+  name, _, gamma = entry.partition(":")
+  return name, int(gamma) if gamma else (0 if name == "none" else 4)
+
+
 def parts_table(model, pairs, rounds=64, prompt_tokens=64):
   """`costs.round_parts` of each --parts entry: where a round's time goes, in steps."""
   prompt = common.heldout_prompts(model.tokenizer, "stdlib", 1, prompt_tokens)
   print("\n| drafter | γ | round | propose | verify pass | rest | 1-token step |\n"
         "|---|---|---|---|---|---|---|")
   for entry in _PARTS.value:
-    name, _, gamma = entry.partition(":")
-    gamma = int(gamma) if gamma else (0 if name == "none" else 4)
+    name, gamma = drafter_entry(entry)
     prepared = prepared_rounds(model, prompt, name, gamma, rounds)
     # Midway through the differenced rounds (rounds // 3 .. rounds) at 1.5 tokens a round.
     parts = costs.round_parts(model, prepared, context=prompt_tokens + rounds,
@@ -614,8 +619,7 @@ def host_table(model, pairs, prompt_tokens=64, new_tokens=64):
   step = forward_timer(model, 1, 1, prompt_tokens, _CACHE.value, 32)
   entries = []
   for entry in _HOST.value:
-    name, _, gamma = entry.partition(":")
-    gamma = int(gamma) if gamma else (0 if name == "none" else 4)
+    name, gamma = drafter_entry(entry)
     entries.append((name, gamma, call_kwargs(name, gamma, new_tokens)))
   key = jax.random.PRNGKey(0)
   parts = ("prepare", "call", "fetch")
@@ -634,7 +638,8 @@ def host_table(model, pairs, prompt_tokens=64, new_tokens=64):
         for part, seconds in zip(parts + ("sum",), (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
           times[name, gamma, part].append(seconds)
           times[name, gamma, part, "steps"].append(seconds / one)
-        times["step"].append(one)
+    if i:
+      times["step"].append(one)
   print(f"\nA call's parts outside its rounds ({prompt_tokens}-token prompt, "
         f"{new_tokens} new tokens, T = 0; 1-token step "
         f"{statistics.median(times['step']) * 1e3:.3f} ms): ms (1-token steps)\n"
