@@ -611,7 +611,7 @@ def parts_table(model, pairs, rounds=64, prompt_tokens=64):
 
 
 def host_table(model, pairs, prompt_tokens=64, new_tokens=64):
-  """A `generate` call's parts outside its rounds, per --host entry (ARCHITECTURE.md,
+  """A `generate` call's parts outside its rounds, per --host entry (CPU_VERIFY.md,
   "Thirteenth pass"): `prepare`, the compiled call stopped after 0 rounds and waited
   for, and `fetch`. Each repeat times a 1-token step, then every entry in turn."""
   from specjax import generation

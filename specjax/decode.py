@@ -423,7 +423,7 @@ def _shared(weights: Weights, target_out, draft_out):
   embedding, final norm, LM head: `heads.shared_params`) replaced by the target's laid-out
   copy, where the two copies are alike: one panel array in memory instead of two,
   which both models' products then read from the same cache lines (EAGLE decode calls
-  2-4% shorter on a 2-core CPU, docs/ARCHITECTURE.md)."""
+  2-4% shorter on a 2-core CPU, docs/CPU_VERIFY.md, "Eighth pass")."""
   flat = jax.tree_util.tree_flatten_with_path
   target_in = {path: leaf for path, leaf in flat(weights.target)[0]}
   target_laid = {path: leaf for path, leaf in flat(target_out)[0]}

@@ -225,7 +225,7 @@ def on_host(tree):
 
   On a CPU `np.asarray` reads a result's buffer where it lies (~1.5 µs a leaf), where
   `device_get` first starts a copy of every leaf (~15 µs each: 0.3 ms of a `generate`
-  call's ~20 leaves, docs/ARCHITECTURE.md). Off a CPU, those copies overlap: kept.
+  call's ~20 leaves, docs/CPU_VERIFY.md, "Thirteenth pass"). Off a CPU, those copies overlap: kept.
   """
   leaves = jax.tree_util.tree_leaves(tree)
   if all(d.platform == "cpu" for x in leaves if isinstance(x, jax.Array) for d in x.devices()):
@@ -372,7 +372,7 @@ def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p
                           temperature=float(np.max(temperature)), repeats=2)
     policy = dataclasses.replace(policy, draft_cost=sc["c"] / sc["v"], verify_cost=sc["v"])
   # Left on the host: the compiled call moves numpy arguments itself for next to nothing,
-  # where a `jax.device_put` of them here took 0.3-0.6 ms (ARCHITECTURE.md, thirteenth pass).
+  # where a `jax.device_put` of them here took 0.3-0.6 ms (docs/CPU_VERIFY.md, "Thirteenth pass").
   prompt_len = np.asarray([len(p) for p in prompts], np.int32)
   return Prepared(
       engine=decode_lib.Engine(target=target.config, drafter=drafter_obj, rule=rule,

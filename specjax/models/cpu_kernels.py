@@ -198,7 +198,7 @@ PARALLEL_MIN_WORK = 1 << 16
 # Products over at least this many bytes of panels prefetch their weights 4 KiB ahead
 # (`fewrow.cc` PanelRows): a matrix this large comes from memory, where that made 3-9
 # rows 15-25% faster; over weights that stay in the L3 (the shipped pair, 1 MiB at
-# most) it made them slower (docs/ARCHITECTURE.md, "Weights from memory").
+# most) it made them slower (docs/CPU_VERIFY.md, "Weights from memory").
 PREFETCH_MIN_BYTES = 2 << 20
 
 
