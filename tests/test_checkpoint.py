@@ -164,3 +164,31 @@ def test_abstract_params_describe_the_real_ones():
   with_norms = abstract_params(CONFIGS["qk_norm_llama3"])["blocks"][0]["attn"]
   assert with_norms["q_norm"]["scale"].shape == with_norms["k_norm"]["scale"].shape == (6,)
   assert set(abstract_params(CONFIGS["llama"])["blocks"][0]["attn"]) == {"qkv", "out"}
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: m.pop("params_sha256"), "no 'params_sha256' entry"),
+    (lambda m: m.pop("config"), "no 'config' entry"),
+    (lambda m: m.update(params=[1]), "'params' must be an object"),
+    (lambda m: m["config"].update(vocab_size=-3), "config is invalid.*vocab_size"),
+    (lambda m: m["config"].update(colour="red"), "config is invalid.*colour"),
+    (lambda m: next(iter(m["params"].values())).pop("dtype"), "no valid dtype"),
+])
+def test_a_hand_edited_manifest_names_what_is_wrong(saved, edit, message):
+  manifest = json.loads((saved / "model.json").read_text())
+  edit(manifest)
+  (saved / "model.json").write_text(json.dumps(manifest))
+  with pytest.raises(checkpoint.CheckpointError, match=message):
+    checkpoint.load_model(saved)
+
+
+def test_a_manifest_that_is_not_an_object(saved):
+  (saved / "model.json").write_text("[1, 2]")
+  with pytest.raises(checkpoint.CheckpointError, match="not a specjax-model manifest"):
+    checkpoint.load_model(saved)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "bogus"])
+def test_a_dtype_that_is_not_floating_is_refused(saved, dtype):
+  with pytest.raises(ValueError, match="dtype must be a floating dtype"):
+    checkpoint.load_model(saved, dtype=dtype)

@@ -445,3 +445,18 @@ def test_bad_paths_and_offline_hub(tmp_path):
     hf.load_hf_model("specjax-tests/no-such-model")
   with pytest.raises(ValueError, match="floating dtype"):
     hf.load_hf_model(tmp_path, dtype="int32")
+
+
+def test_corrupt_files_are_named(checkpoints, tmp_path):
+  directory = _copy(checkpoints["gpt2"][0], tmp_path)
+  blob = (directory / "model.safetensors").read_bytes()
+  (directory / "model.safetensors").write_bytes(blob[: len(blob) // 3])
+  with pytest.raises(ValueError, match=r"model\.safetensors is truncated or corrupt"):
+    hf.load_hf_model(directory)
+  (directory / "model.safetensors").unlink()
+  (directory / "pytorch_model.bin").write_bytes(b"PK\x03\x04 not a whole zip")
+  with pytest.raises(ValueError, match=r"pytorch_model\.bin is truncated or corrupt"):
+    hf.load_hf_model(directory)
+  (directory / "config.json").write_text('{"model_type": "gpt2",')
+  with pytest.raises(ValueError, match=r"config\.json is not valid JSON"):
+    hf.load_hf_model(directory)

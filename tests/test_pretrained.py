@@ -99,3 +99,8 @@ def test_hugging_face_dirs_and_hub_ids_go_to_specjax_hf(tmp_path, monkeypatch):
   assert pretrained.load_pretrained("org/some-model") == "hf-model"
   assert calls == [(str(tmp_path), jnp.float32, None), ("gpt2", jnp.bfloat16, None),
                    ("org/some-model", jnp.float32, None)]
+
+
+def test_a_missing_directory_is_named(tmp_path):
+  with pytest.raises(ValueError, match=f"no directory {tmp_path}/a/b/c"):
+    pretrained.load_pretrained(tmp_path / "a" / "b" / "c")

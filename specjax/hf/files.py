@@ -44,7 +44,7 @@ class CheckpointTensors:
 
   @staticmethod
   def _shards(index_path: Path) -> list[Path]:
-    weight_map = json.loads(index_path.read_text()).get("weight_map")
+    weight_map = read_config(index_path).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
       raise ValueError(f"{index_path} has no 'weight_map'")
     shards = sorted({index_path.parent / name for name in weight_map.values()})
@@ -60,12 +60,16 @@ class CheckpointTensors:
       raise ValueError("reading Hugging Face weights needs safetensors "
                        "(pip install 'specjax[hf]')") from e
     for path in files:
-      with safe_open(str(path), framework="numpy") as f:
-        for name in f.keys():
-          self._file_of[name] = path
-          self._shapes[name] = tuple(f.get_slice(name).get_shape())
-          if f.get_slice(name).get_dtype() == "BF16":
-            self._bf16.add(name)
+      try:
+        with safe_open(str(path), framework="numpy") as f:
+          for name in f.keys():
+            self._file_of[name] = path
+            self._shapes[name] = tuple(f.get_slice(name).get_shape())
+            if f.get_slice(name).get_dtype() == "BF16":
+              self._bf16.add(name)
+      except Exception as e:  # safetensors raises its own SafetensorError (not a ValueError)
+        raise ValueError(f"weights file {path} is truncated or corrupt: "
+                         f"{type(e).__name__}: {e}") from e
 
   def _read_torch(self, files: list[Path]):
     try:
@@ -75,8 +79,12 @@ class CheckpointTensors:
                        "(pip install 'specjax[hf]'); safetensors weights do not") from e
     self._torch_state = {}
     for path in files:
-      self._torch_state.update(torch.load(str(path), map_location="cpu", weights_only=True,
-                                          mmap=True))
+      try:
+        self._torch_state.update(torch.load(str(path), map_location="cpu", weights_only=True,
+                                            mmap=True))
+      except Exception as e:  # torch raises OSError, RuntimeError or pickle errors
+        raise ValueError(f"weights file {path} is truncated or corrupt: "
+                         f"{type(e).__name__}: {e}") from e
     self._shapes = {k: tuple(t.shape) for k, t in self._torch_state.items()}
 
   def names(self) -> list[str]:
@@ -118,6 +126,17 @@ def _read_bf16(path: Path, name: str) -> np.ndarray:
                      offset=8 + header_len + start).reshape(shape)
 
 
+def read_config(path: Path) -> dict:
+  """A JSON object from `path`; ValueError naming the file if it is not one."""
+  try:
+    data = json.loads(path.read_text())
+  except (ValueError, OSError) as e:
+    raise ValueError(f"{path} is not valid JSON: {e}") from e
+  if not isinstance(data, dict):
+    raise ValueError(f"{path} holds a {type(data).__name__}, not a JSON object")
+  return data
+
+
 def resolve(path_or_id: str | os.PathLike) -> Path:
   """A local directory as is; a hub id (`looks_like_hub_id`) fetched with huggingface_hub."""
   if not isinstance(path_or_id, (str, os.PathLike)) or not str(path_or_id):
@@ -144,7 +163,8 @@ def resolve(path_or_id: str | os.PathLike) -> Path:
     offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False")
     hint = ("HF_HUB_OFFLINE is set and the model is not in the local cache"
             if offline else "no network, or no such repository on the Hub")
-    raise ValueError(f"could not fetch {text!r} from the Hugging Face Hub ({hint}): "
+    raise ValueError(f"{text!r} is not a local directory ({path.resolve()} does not exist), "
+                     f"and could not be fetched from the Hugging Face Hub ({hint}): "
                      f"{type(e).__name__}: {e}. Pass a local model directory instead.") from e
   return local
 
@@ -190,7 +210,7 @@ def load_hf_model(path_or_id: str | os.PathLike, dtype=jnp.float32, mesh=None) -
   config_path = directory / "config.json"
   if not config_path.is_file():
     raise ValueError(f"{directory} has no config.json")
-  hf_config = json.loads(config_path.read_text())
+  hf_config = read_config(config_path)
   cfg = config_from_hf(hf_config)
   tensors = CheckpointTensors(directory)
   params = params_from_hf(cfg, hf_config["model_type"], tensors, dt, where=str(directory),

@@ -122,12 +122,33 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     manifest = json.loads(manifest_path.read_text())
   except (ValueError, OSError) as e:
     raise CheckpointError(f"checkpoint manifest {manifest_path} is unreadable: {e}") from e
-  if manifest.get("format") != FORMAT:
+  if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
     raise CheckpointError(f"{manifest_path} is not a {FORMAT} manifest")
   if manifest.get("version") != VERSION:
     raise CheckpointError(f"{manifest_path} has version {manifest.get('version')}, "
                           f"this code reads version {VERSION}")
+  check_manifest(manifest, manifest_path, ("config", "params", "params_sha256"))
   return manifest
+
+
+def check_manifest(manifest, where, keys):
+  """CheckpointError naming `where` unless `manifest` has each of `keys`, with a dict
+  under 'config' and 'params' (a hand-edited manifest would fail later as a KeyError)."""
+  missing = [k for k in keys if k not in manifest]
+  if missing:
+    raise CheckpointError(f"{where} has no {', '.join(map(repr, missing))} entry")
+  for k in ("config", "params"):
+    if k in keys and not isinstance(manifest[k], dict):
+      raise CheckpointError(f"{where}: {k!r} must be an object, got "
+                            f"{type(manifest[k]).__name__}")
+
+
+def _config(manifest, where, from_dict):
+  """`from_dict(manifest['config'])`, a CheckpointError naming `where` if it is unfit."""
+  try:
+    return from_dict(manifest["config"])
+  except (TypeError, ValueError, KeyError) as e:
+    raise CheckpointError(f"{where}: its config is invalid: {e}") from e
 
 
 def load_params(path: str | os.PathLike, dtype=None, host: bool = False):
@@ -137,8 +158,9 @@ def load_params(path: str | os.PathLike, dtype=None, host: bool = False):
   instead of putting each on the default device.
   """
   path = Path(path)
+  dtype = None if dtype is None else model_lib.float_dtype(dtype)
   manifest = read_manifest(path)
-  cfg = ModelConfig.from_dict(manifest["config"])
+  cfg = _config(manifest, path / MANIFEST, ModelConfig.from_dict)
   params_path = path / PARAMS
   if not params_path.is_file():
     raise CheckpointError(f"checkpoint {path} is missing {PARAMS}")
@@ -160,7 +182,7 @@ def load_params(path: str | os.PathLike, dtype=None, host: bool = False):
   leaves = []
   for key, ref in reference:
     arr = stored[key]
-    stored_dtype = np.dtype(jnp.dtype(specs[key]["dtype"]))
+    stored_dtype = _stored_dtype(specs, key, path)
     if arr.dtype != stored_dtype:
       arr = arr.view(stored_dtype)
     if list(arr.shape) != list(ref.shape):
@@ -170,6 +192,15 @@ def load_params(path: str | os.PathLike, dtype=None, host: bool = False):
       arr = arr.astype(jnp.dtype(dtype))
     leaves.append(arr if host else jnp.asarray(arr))
   return cfg, jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _stored_dtype(specs, key, where):
+  """The dtype the manifest records for parameter `key`; CheckpointError if it does not."""
+  try:
+    return np.dtype(jnp.dtype(specs[key]["dtype"]))
+  except (TypeError, KeyError) as e:
+    raise CheckpointError(f"checkpoint {where}: its manifest records no valid dtype for "
+                          f"{key}") from e
 
 
 def load_model(path: str | os.PathLike, dtype=jnp.float32, mesh=None) -> model_lib.Model:

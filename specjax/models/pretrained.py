@@ -97,5 +97,5 @@ def load_pretrained(name_or_path: str | os.PathLike, dtype=jnp.float32, mesh=Non
   if looks_like_hub_id(name):
     from specjax import hf
     return hf.load_hf_model(name, dtype=dtype, mesh=mesh)
-  raise ValueError(f"unknown model {name!r}: not a directory, not a hub id; "
-                   f"known names: {', '.join(KNOWN)}")
+  raise ValueError(f"unknown model {name!r}: there is no directory {path.resolve()}, and it "
+                   f"is not a hub id; known names: {', '.join(KNOWN)}")
