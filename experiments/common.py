@@ -122,8 +122,9 @@ def step_costs(target, draft, drafter: str, gamma: int, batch: int, context: int
                temperature: float = 1.0, tree=None):
   """`costs.step_costs` for a drafter named as in `specjax.generate`.
 
-  draft: the draft model for 'model', the head for 'eagle' / 'medusa'.
+  draft: the draft model for 'model', the head for 'eagle' / 'medusa' (unused for 'ngram').
   """
+  draft = None if drafter == "ngram" else draft
   obj = generation.make_drafter(target, draft, drafter, None if tree else gamma, draft_sample,
                                 *ngram, tree=tree)
   if drafter in generation.HEAD_DRAFTERS:

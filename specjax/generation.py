@@ -107,9 +107,19 @@ def make_drafter(target: Model, draft: Model | None, drafter: str | None, gamma:
     if tree is not None:
       raise ValueError("tree= needs a drafter: draft=<a draft model or a Medusa head> or "
                        "drafter='ngram'")
+    if gamma is not None:  # ignoring it would hide a missing draft=
+      raise ValueError(f"gamma={gamma!r} is a draft length, but there is no drafter: pass "
+                       "draft=<a draft model or head> or drafter='ngram', or leave gamma out "
+                       "for target-only decoding")
     return drafters_lib.NoDrafter(vocab_size=target.config.vocab_size)
   if drafter not in DRAFTERS:
     raise ValueError(f"drafter must be one of {DRAFTERS} (or None), got {drafter!r}")
+  if drafter == "model" and is_head:
+    raise ValueError(f"drafter='model' needs draft=<a draft Model>, got the {draft.kind} head "
+                     f"(pass drafter={draft.kind!r}, or leave drafter out)")
+  if drafter == "ngram" and draft is not None:
+    raise ValueError("drafter='ngram' (prompt lookup) drafts from the context and uses no "
+                     f"draft model; got draft={type(draft).__name__} as well (drop one)")
   if drafter in HEAD_DRAFTERS or is_head:
     if not is_head or draft.kind != drafter:
       got = f"a {draft.kind} head" if is_head else type(draft).__name__
@@ -415,7 +425,8 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
     draft: the draft model (same vocabulary as the target), or a draft head trained on
       this target (`load_pretrained('stdlib-eagle')`, 'stdlib-medusa'; `specjax.models.heads`),
       which drafts from the target's own hidden states.
-    gamma: draft tokens proposed per round (default 4; with a tree, its depth).
+    gamma: draft tokens proposed per round (default 4; with a tree, its depth); only with
+      a drafter (without one, a gamma is refused rather than ignored).
     tree: a token tree for the model, n-gram or Medusa drafter: branching factors
       (k_1, ..., k_d) (every node at depth j-1 gets k_j children; (1,)*γ is the chain)
       or Medusa-style paths of child ranks, e.g. [(0,), (1,), (0, 0)]. The target scores

@@ -2,6 +2,7 @@
 rollback after a partly accepted round, training, exact resume, target checks."""
 
 import functools
+import json
 import shutil
 import types
 
@@ -327,12 +328,17 @@ def test_generate_takes_a_head_and_refuses_a_wrong_one(target):
            (dict(draft=eagle, tree=(2, 1)), "chains only"),
            (dict(draft=eagle, draft_sample="top"), "draft_sample"),
            (dict(draft=eagle, gamma=0), "gamma"),
+           (dict(draft=eagle, drafter="model"), "needs draft=<a draft Model>, got the eagle"),
            (dict(draft="stdlib-eagle"), "draft must be")]
   for kwargs, what in cases:
     with pytest.raises(ValueError, match=what):
       specjax.generate(target, prompts, max_new_tokens=6, **kwargs)
-  with pytest.raises(ValueError, match="fingerprint"):
+  with pytest.raises(ValueError, match="fingerprint") as wrong:
     specjax.generate(other, prompts, max_new_tokens=6, draft=eagle)
+  assert "quantized" not in str(wrong.value)
+  # The head's own target, quantised: refused, and the message says why.
+  with pytest.raises(ValueError, match="fingerprint.*int8-quantized"):
+    specjax.generate(specjax.quantize(target), prompts, max_new_tokens=6, draft=eagle)
 
 
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])
@@ -418,3 +424,19 @@ def test_medusa_tree_three_token_law():
   ok, worst = within_law(res.tokens, probs)
   assert ok, f"worst z={worst}"
   assert 0.05 < res.stats["acceptance_rate"] < 0.95  # drafts both accepted and rejected
+
+
+def test_a_broken_head_file_names_what_is_wrong(target, tmp_path):
+  from specjax.models import checkpoint
+  path = heads_lib.save_head(tmp_path / "head", random_head(target, "eagle"))
+  manifest = (path / heads_lib.MANIFEST).read_text()
+  with pytest.raises(ValueError, match="dtype must be a floating dtype"):
+    heads_lib.load_head(path, dtype="int8")
+  for edit, message in [(lambda m: m.pop("target_fingerprint"), "no 'target_fingerprint'"),
+                        (lambda m: m["config"].update(kind="tree"), "config is invalid"),
+                        (lambda m: m.update(params={}), "no valid dtype")]:
+    m = json.loads(manifest)
+    edit(m)
+    (path / heads_lib.MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(checkpoint.CheckpointError, match=message):
+      heads_lib.load_head(path)

@@ -320,6 +320,8 @@ class PrecisionTest(parameterized.TestCase):
     b, kv = fn(q.graphdef, q.params, tokens[:, 5:], kv)
     chex.assert_trees_all_close(jnp.concatenate([a, b], 1), full, atol=2e-5, rtol=2e-5)
     self.assertGreater(float(jnp.max(jnp.abs(full - model.logits(tokens)))), 0)  # it did change
+    # Quantising again keeps every quantised weight, the embedding's too.
+    chex.assert_trees_all_equal(specjax.quantize(q).params, q.params)
 
   def test_int8_speculative_greedy_equals_autoregressive(self):
     target = specjax.quantize(tiny_model(vocab=16, n_layers=2, seed=3))

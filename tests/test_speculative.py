@@ -290,11 +290,14 @@ class SpeculativeBadInputTest(parameterized.TestCase):
       ("ngram_sizes", dict(drafter="ngram", ngram_min=3, ngram_max=2), "ngram"),
       ("draft_context", dict(draft="short", prompts=[[1] * 20]), "draft's context"),
       ("empty_stop", dict(stop_sequences=[[]]), "stop sequence 0 is empty"),
-      ("stop_vocab", dict(stop_sequences=[[1, 99]]), "stop sequence 0"))
+      ("stop_vocab", dict(stop_sequences=[[1, 99]]), "stop sequence 0"),
+      # A γ or a draft that nothing would use is refused, not ignored.
+      ("gamma_without_drafter", dict(gamma=3, draft=None), "no drafter"),
+      ("draft_with_ngram", dict(drafter="ngram", draft="draft"), "uses no draft model"))
   def test_raises(self, kwargs, message):
     target, draft = target_and_draft()
     models = {"draft": draft, "other_vocab": tiny_model(vocab=9, seed=2),
-              "short": tiny_model(vocab=8, max_len=16, seed=2)}
+              "short": tiny_model(vocab=8, max_len=16, seed=2), None: None}
     kwargs = dict(kwargs)
     if "draft" in kwargs:
       kwargs["draft"] = models[kwargs["draft"]]

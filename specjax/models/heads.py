@@ -273,8 +273,13 @@ class Head:
                        f"(differs in {', '.join(diff)})")
     print_ = target_fingerprint(got, target.params)
     if print_ != self.target_fingerprint:
+      from specjax.models import quantization
+      quantized = any(quantization.is_quantized(node) for node in jax.tree_util.tree_leaves(
+          target.params, is_leaf=quantization.is_quantized))
+      hint = (" (this target's weights are int8-quantized by specjax.quantize, and a head "
+              "drafts only for the weights it was trained on)" if quantized else "")
       raise ValueError(f"{self.kind} head was trained for target fingerprint "
-                       f"{self.target_fingerprint}; this target's weights give {print_}")
+                       f"{self.target_fingerprint}; this target's weights give {print_}{hint}")
 
   def draft_params(self, target, check: bool = True) -> dict:
     """The drafter's params: the head's own + the target's frozen embedding/norm/head."""
@@ -322,14 +327,18 @@ def save_head(path: str | os.PathLike, head: Head, dtype=None) -> Path:
 
 def load_head(path: str | os.PathLike, dtype=jnp.float32) -> Head:
   path = Path(path)
+  dtype = None if dtype is None else model_lib.float_dtype(dtype)
   err = checkpoint_lib.CheckpointError
   try:
     manifest = json.loads((path / MANIFEST).read_text())
   except (ValueError, OSError) as e:
     raise err(f"head manifest {path / MANIFEST} is missing or unreadable: {e}") from e
-  if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+  if (not isinstance(manifest, dict) or manifest.get("format") != FORMAT
+      or manifest.get("version") != VERSION):
     raise err(f"{path / MANIFEST} is not a {FORMAT} v{VERSION} manifest")
-  hc = HeadConfig.from_dict(manifest["config"])
+  checkpoint_lib.check_manifest(manifest, path / MANIFEST,
+                                ("config", "params", "params_sha256", "target_fingerprint"))
+  hc = checkpoint_lib._config(manifest, path / MANIFEST, HeadConfig.from_dict)
   blob = (path / PARAMS).read_bytes() if (path / PARAMS).is_file() else b""
   if hashlib.sha256(blob).hexdigest() != manifest["params_sha256"]:
     raise err(f"head file {path / PARAMS} is missing, truncated or corrupt")
@@ -341,7 +350,7 @@ def load_head(path: str | os.PathLike, dtype=jnp.float32) -> Head:
     key = checkpoint_lib._key(p)
     if key not in stored.files:
       raise err(f"head {path} is missing parameter {key}")
-    arr = stored[key].view(np.dtype(jnp.dtype(manifest["params"][key]["dtype"])))
+    arr = stored[key].view(checkpoint_lib._stored_dtype(manifest["params"], key, path))
     if arr.shape != ref.shape:
       raise err(f"head {path}: {key} has shape {arr.shape}, config needs {ref.shape}")
     if dtype is not None and jnp.issubdtype(arr.dtype, jnp.floating):

@@ -56,7 +56,9 @@ def dequantize(tree):
 
 
 def _quantize_tree(tree, path=()):
-  if isinstance(tree, dict) and not is_quantized(tree):
+  if is_quantized(tree):  # kept as it is, the embedding's too
+    return tree
+  if isinstance(tree, dict):
     return {k: _quantize_tree(v, path + (k,)) for k, v in tree.items()}
   if path[-2:] == ("embed", "embedding"):
     return quantize_array(tree, 0)  # one scale per token row
