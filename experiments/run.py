@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from pathlib import Path
 
 from absl import app
@@ -47,7 +48,7 @@ def validate(cfg) -> None:
     if not isinstance(cfg[field], (tuple, list)) or not cfg[field]:
       fail(field, "must be a non-empty tuple")
   for r in cfg.repetition_penalty:
-    if not isinstance(r, (int, float)) or not r > 0:
+    if not isinstance(r, (int, float)) or not 0 < r < math.inf:
       fail("repetition_penalty", "penalties must be > 0 (1 = off)")
   for n in cfg.no_repeat_ngram_size:
     if not isinstance(n, int) or n < 0:
@@ -78,8 +79,14 @@ def validate(cfg) -> None:
     if not isinstance(g, int) or isinstance(g, bool) or g < 1:
       fail("gamma", "every γ must be an int >= 1")
   for t in cfg.temperature:
-    if not isinstance(t, (int, float)) or t < 0:
-      fail("temperature", "temperatures must be >= 0")
+    if not isinstance(t, (int, float)) or not 0 <= t < math.inf:
+      fail("temperature", "temperatures must be finite numbers >= 0")
+  for field in ("presence_penalty", "frequency_penalty"):
+    for v in cfg[field]:
+      if not isinstance(v, (int, float)) or not math.isfinite(v):
+        fail(field, "penalties must be finite numbers (0 = off)")
+  if not isinstance(cfg.seed, int) or isinstance(cfg.seed, bool) or not 0 <= cfg.seed < 2**32:
+    fail("seed", "must be an int in [0, 2**32)")
   for p in cfg.top_p:
     if not isinstance(p, (int, float)) or not 0 < p <= 1:
       fail("top_p", "top_p values must be in (0, 1]")
@@ -89,12 +96,38 @@ def validate(cfg) -> None:
   for field in ("num_prompts", "prompt_tokens", "max_new_tokens", "timing_pairs", "cost_rounds"):
     if not isinstance(cfg[field], int) or cfg[field] < 1:
       fail(field, "must be an int >= 1")
+  if not (isinstance(cfg.ngram_min, int) and isinstance(cfg.ngram_max, int)
+          and 1 <= cfg.ngram_min <= cfg.ngram_max):
+    fail("ngram_min", f"need ints 1 <= ngram_min <= ngram_max (ngram_max={cfg.ngram_max!r})")
   if not isinstance(cfg.top_k, int) or cfg.top_k < 0:
     fail("top_k", "must be an int >= 0")
   if not isinstance(cfg.get("call_costs", False), bool):
     fail("call_costs", "must be True or False")
   if cfg.draft_sample not in ("probabilistic", "greedy"):
     fail("draft_sample", "must be 'probabilistic' or 'greedy'")
+
+
+def point_specs(cfg, point: dict, base: dict, heads: dict, draft, draft_cost):
+  """(target-only, method) `specjax.generate` keyword arguments of a grid point; the
+  ledger policy gets `draft_cost` = (c, v(γ))."""
+  methods = {k: point[k] for k in ("gamma_policy", "verify_rule")}
+  sampling = dict(base, temperature=point["temperature"], top_p=point["top_p"],
+                  **{k: point[k] for k in PROCESSOR_FIELDS if k not in methods})
+  if point["gamma_policy"] == "ledger":
+    methods["draft_cost"] = draft_cost
+  if point["gamma_policy"] == "confidence":
+    methods["draft_confidence"] = cfg.draft_confidence
+  tree = _as_tree(point.get("tree"))
+  spec = dict(sampling, **methods, drafter=point["drafter"], ngram_min=cfg.ngram_min,
+              ngram_max=cfg.ngram_max, **(dict(tree=tree) if tree else dict(gamma=point["gamma"])))
+  if point["drafter"] == "model" or point["drafter"] in heads:
+    spec.update(draft=heads.get(point["drafter"], draft), draft_sample=cfg.draft_sample)
+  return sampling, spec
+
+
+def _write_config(cfg, workdir: Path):
+  workdir.mkdir(parents=True, exist_ok=True)
+  (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
 
 
 def point_key(point: dict) -> str:
@@ -126,8 +159,6 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
   """
   validate(cfg)
   workdir = Path(workdir)
-  workdir.mkdir(parents=True, exist_ok=True)
-  (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
   results_path = workdir / "results.jsonl"
   rows = read_rows(results_path)
   done = {point_key(r) for r in rows}
@@ -148,10 +179,18 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
            if d in cfg.drafter}
   if "medusa" in heads:  # K heads draft at most K tokens
     k = heads["medusa"].config.medusa_heads
+    if all(g > k for g in cfg.gamma):
+      raise ValueError(f"config.gamma: the Medusa head {cfg.medusa_head!r} has {k} heads, so "
+                       f"it drafts at most {k} tokens; every γ in {tuple(cfg.gamma)} is larger")
+    dropped = sorted({g for g in cfg.gamma if g > k})
+    if dropped:
+      logging.warning("Medusa points at γ = %s skipped: the head drafts at most %d tokens",
+                      dropped, k)
     grid = [p for p in grid if p["drafter"] != "medusa" or p["gamma"] <= k]
   todo = [p for p in grid if point_key(p) not in done]
   logging.info("%d grid points, %d already done", len(grid), len(grid) - len(todo))
   if not todo:
+    _write_config(cfg, workdir)
     plots.write_report(rows, workdir)
     return rows
 
@@ -174,15 +213,22 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
               eos_id=target.tokenizer.eos_id if cfg.stop_at_eos else None)
   if mesh is not None:
     base["mesh"] = mesh
+  for point in todo:  # every point's arguments checked before anything is compiled
+    sampling, spec = point_specs(cfg, point, base, heads, draft,
+                                 draft_cost=(0.1, 1.5))  # a stand-in for the measured pair
+    for kwargs in (sampling, spec):
+      try:
+        generation.prepare(target, prompts, **{k: v for k, v in kwargs.items()
+                                               if k not in ("seed", "mesh")})
+      except ValueError as e:
+        raise ValueError(f"grid point {point_key(point)}: {e}") from e
+  _write_config(cfg, workdir)
   step_costs = {}
   machine = costs.machine_info()
 
   bar = tqdm.tqdm(todo, desc="sweep", disable=not progress)
   for point in bar:
     bar.set_postfix_str(" ".join(f"{k}={v}" for k, v in point.items()))
-    methods = {k: point[k] for k in ("gamma_policy", "verify_rule")}
-    sampling = dict(base, temperature=point["temperature"], top_p=point["top_p"],
-                    **{k: point[k] for k in PROCESSOR_FIELDS if k not in methods})
     # A greedy draft skips sampling, so its cost depends on whether T is 0.
     tree = _as_tree(point.get("tree"))
     ckey = (point["drafter"], point["gamma"], point["batch_size"], point["temperature"] == 0,
@@ -193,15 +239,8 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
           target, drafter_model, point["drafter"], point["gamma"], point["batch_size"], context,
           (cfg.ngram_min, cfg.ngram_max), cfg.draft_sample, repeats=cfg.cost_rounds,
           temperature=point["temperature"], tree=tree)
-    if point["gamma_policy"] == "ledger":  # this point's measured c and v
-      methods["draft_cost"] = (step_costs[ckey]["c"], step_costs[ckey]["v"])
-    if point["gamma_policy"] == "confidence":
-      methods["draft_confidence"] = cfg.draft_confidence
-    spec = dict(sampling, **methods, drafter=point["drafter"], ngram_min=cfg.ngram_min,
-                ngram_max=cfg.ngram_max,
-                **(dict(tree=tree) if tree else dict(gamma=point["gamma"])))
-    if point["drafter"] == "model" or point["drafter"] in heads:
-      spec.update(draft=drafter_model, draft_sample=cfg.draft_sample)
+    sampling, spec = point_specs(cfg, point, base, heads, draft,  # the ledger's: c and v
+                                 draft_cost=(step_costs[ckey]["c"], step_costs[ckey]["v"]))
     timing = common.paired_generate(target, prompts, point["batch_size"], cfg.timing_pairs,
                                     method=spec, baseline=sampling)
     calls = None

@@ -116,6 +116,10 @@ def test_rerun_skips_done_points(smoke):
     ("gamma_policy", ("adaptive",), "config.gamma_policy"),
     ("verify_rule", ("synthetic",), "config.verify_rule"),
     ("cost_rounds", 0, "config.cost_rounds"),
+    ("temperature", (float("nan"),), "config.temperature"),
+    ("presence_penalty", (float("inf"),), "config.presence_penalty"),
+    ("seed", -1, "config.seed"),
+    ("ngram_min", 0, "config.ngram_min"),
 ])
 def test_bad_config_fails_at_once(tmp_path, field, value, message):
   cfg = sweep_config.get_config("smoke")
@@ -123,6 +127,22 @@ def test_bad_config_fails_at_once(tmp_path, field, value, message):
   with pytest.raises(ValueError, match=message):
     run_lib.run_sweep(cfg, tmp_path)
   assert not (tmp_path / "results.jsonl").exists()
+  assert not (tmp_path / "config.json").exists()  # a rerun's config is kept
+
+
+@pytest.mark.parametrize("changes,message", [
+    # Only the models know the context: every point's arguments are checked once they load.
+    (dict(prompt_tokens=510), r"grid point .*exceeds the target's context"),
+    (dict(drafter=("medusa",), gamma=(9,), trees=()), "at most 4 tokens"),
+])
+def test_points_no_run_could_take_fail_before_any_timing(tmp_path, changes, message):
+  cfg = sweep_config.get_config("smoke")
+  for field, value in changes.items():
+    cfg[field] = value
+  with pytest.raises(ValueError, match=message):
+    run_lib.run_sweep(cfg, tmp_path, progress=False)
+  assert not (tmp_path / "results.jsonl").exists()
+  assert not (tmp_path / "config.json").exists()
 
 
 def test_unknown_variant():
