@@ -49,7 +49,7 @@ def validate(cfg) -> None:
       fail(field, "must be a non-empty tuple")
   for r in cfg.repetition_penalty:
     if not isinstance(r, (int, float)) or not 0 < r < math.inf:
-      fail("repetition_penalty", "penalties must be > 0 (1 = off)")
+      fail("repetition_penalty", "penalties must be finite numbers > 0 (1 = off)")
   for n in cfg.no_repeat_ngram_size:
     if not isinstance(n, int) or n < 0:
       fail("no_repeat_ngram_size", "sizes must be ints >= 0 (0 = off)")
