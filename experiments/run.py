@@ -179,13 +179,15 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
            if d in cfg.drafter}
   if "medusa" in heads:  # K heads draft at most K tokens
     k = heads["medusa"].config.medusa_heads
-    if all(g > k for g in cfg.gamma):
+    medusa = [p for p in grid if p["drafter"] == "medusa"]
+    dropped = sorted({p["gamma"] for p in medusa if p["gamma"] > k})
+    if medusa and len(dropped) == len({p["gamma"] for p in medusa}):
       raise ValueError(f"config.gamma: the Medusa head {cfg.medusa_head!r} has {k} heads, so "
-                       f"it drafts at most {k} tokens; every γ in {tuple(cfg.gamma)} is larger")
-    dropped = sorted({g for g in cfg.gamma if g > k})
+                       f"it drafts at most {k} tokens; every Medusa γ or tree depth in "
+                       f"{dropped} is larger")
     if dropped:
-      logging.warning("Medusa points at γ = %s skipped: the head drafts at most %d tokens",
-                      dropped, k)
+      logging.warning("Medusa points at γ (or tree depth) %s skipped: the head drafts at "
+                      "most %d tokens", dropped, k)
     grid = [p for p in grid if p["drafter"] != "medusa" or p["gamma"] <= k]
   todo = [p for p in grid if point_key(p) not in done]
   logging.info("%d grid points, %d already done", len(grid), len(grid) - len(todo))
@@ -213,6 +215,10 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
               eos_id=target.tokenizer.eos_id if cfg.stop_at_eos else None)
   if mesh is not None:
     base["mesh"] = mesh
+  batches = -(-len(prompts) // min(cfg.batch_size))
+  if cfg.seed + batches > 2**32:  # batch i of a point decodes with seed + i
+    raise ValueError(f"config.seed: seed + {batches} batches of prompts must stay below 2**32 "
+                     f"(got {cfg.seed!r})")
   for point in todo:  # every point's arguments checked before anything is compiled
     sampling, spec = point_specs(cfg, point, base, heads, draft,
                                  draft_cost=(0.1, 1.5))  # a stand-in for the measured pair

@@ -173,6 +173,10 @@ def test_abstract_params_describe_the_real_ones():
     (lambda m: m["config"].update(vocab_size=-3), "config is invalid.*vocab_size"),
     (lambda m: m["config"].update(colour="red"), "config is invalid.*colour"),
     (lambda m: next(iter(m["params"].values())).pop("dtype"), "no valid dtype"),
+    (lambda m: next(iter(m["params"].values())).update(dtype=None), "no valid dtype"),
+    (lambda m: [v.update(dtype="float64") for v in m["params"].values()],
+     "cannot be read as|has shape"),
+    (lambda m: m["config"].update(n_kv_heads=0), "config is invalid.*n_kv_heads"),
 ])
 def test_a_hand_edited_manifest_names_what_is_wrong(saved, edit, message):
   manifest = json.loads((saved / "model.json").read_text())

@@ -458,5 +458,7 @@ def test_corrupt_files_are_named(checkpoints, tmp_path):
   with pytest.raises(ValueError, match=r"pytorch_model\.bin is truncated or corrupt"):
     hf.load_hf_model(directory)
   (directory / "config.json").write_text('{"model_type": "gpt2",')
-  with pytest.raises(ValueError, match=r"config\.json is not valid JSON"):
+  with pytest.raises(ValueError, match=r"config\.json is unreadable or not valid JSON"):
     hf.load_hf_model(directory)
+  with pytest.raises(ValueError, match=r"config\.json is unreadable or not valid JSON"):
+    specjax.load_pretrained(directory)

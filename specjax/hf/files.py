@@ -131,7 +131,7 @@ def read_config(path: Path) -> dict:
   try:
     data = json.loads(path.read_text())
   except (ValueError, OSError) as e:
-    raise ValueError(f"{path} is not valid JSON: {e}") from e
+    raise ValueError(f"{path} is unreadable or not valid JSON: {e}") from e
   if not isinstance(data, dict):
     raise ValueError(f"{path} holds a {type(data).__name__}, not a JSON object")
   return data

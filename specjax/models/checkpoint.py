@@ -147,7 +147,7 @@ def _config(manifest, where, from_dict):
   """`from_dict(manifest['config'])`, a CheckpointError naming `where` if it is unfit."""
   try:
     return from_dict(manifest["config"])
-  except (TypeError, ValueError, KeyError) as e:
+  except (TypeError, ValueError, KeyError, ArithmeticError) as e:
     raise CheckpointError(f"{where}: its config is invalid: {e}") from e
 
 
@@ -182,9 +182,7 @@ def load_params(path: str | os.PathLike, dtype=None, host: bool = False):
   leaves = []
   for key, ref in reference:
     arr = stored[key]
-    stored_dtype = _stored_dtype(specs, key, path)
-    if arr.dtype != stored_dtype:
-      arr = arr.view(stored_dtype)
+    arr = _as_stored(arr, _stored_dtype(specs, key, path / MANIFEST), key, path)
     if list(arr.shape) != list(ref.shape):
       raise CheckpointError(f"checkpoint {path}: parameter {key} has shape {arr.shape}, "
                             f"config needs {tuple(ref.shape)}")
@@ -197,10 +195,23 @@ def load_params(path: str | os.PathLike, dtype=None, host: bool = False):
 def _stored_dtype(specs, key, where):
   """The dtype the manifest records for parameter `key`; CheckpointError if it does not."""
   try:
-    return np.dtype(jnp.dtype(specs[key]["dtype"]))
+    name = specs[key]["dtype"]
+    if not isinstance(name, str):  # np.dtype(None) would be float64
+      raise TypeError(name)
+    return np.dtype(jnp.dtype(name))
   except (TypeError, KeyError) as e:
-    raise CheckpointError(f"checkpoint {where}: its manifest records no valid dtype for "
-                          f"{key}") from e
+    raise CheckpointError(f"{where}: the manifest records no valid dtype for {key}") from e
+
+
+def _as_stored(arr, dtype, key, where):
+  """`arr`'s bytes read as the manifest's `dtype` (bfloat16 is stored as uint16)."""
+  if arr.dtype == dtype:
+    return arr
+  try:
+    return arr.view(dtype)
+  except ValueError as e:  # a dtype of another size than the stored one
+    raise CheckpointError(f"{where}: parameter {key} is stored as {arr.dtype}, which cannot "
+                          f"be read as the manifest's {dtype}") from e
 
 
 def load_model(path: str | os.PathLike, dtype=jnp.float32, mesh=None) -> model_lib.Model:

@@ -107,6 +107,9 @@ class ModelConfig:
                           ("d_ff", 4 * self.d_model)):
       if getattr(self, name) is None:
         object.__setattr__(self, name, default)
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
     if self.n_heads % self.n_kv_heads:
       raise ValueError(
           f"ModelConfig.n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")

@@ -350,7 +350,9 @@ def load_head(path: str | os.PathLike, dtype=jnp.float32) -> Head:
     key = checkpoint_lib._key(p)
     if key not in stored.files:
       raise err(f"head {path} is missing parameter {key}")
-    arr = stored[key].view(checkpoint_lib._stored_dtype(manifest["params"], key, path))
+    arr = checkpoint_lib._as_stored(
+        stored[key], checkpoint_lib._stored_dtype(manifest["params"], key, path / MANIFEST),
+        key, path)
     if arr.shape != ref.shape:
       raise err(f"head {path}: {key} has shape {arr.shape}, config needs {ref.shape}")
     if dtype is not None and jnp.issubdtype(arr.dtype, jnp.floating):

@@ -36,7 +36,7 @@ def _is_hf_dir(path: Path) -> bool:
   try:
     return "model_type" in json.loads(config.read_text())
   except (ValueError, OSError):
-    return False
+    return True  # the Hugging Face loader says what is wrong with it
 
 
 def _is_head_dir(path: Path) -> bool:
