@@ -107,10 +107,8 @@ def make_drafter(target: Model, draft: Model | None, drafter: str | None, gamma:
     if tree is not None:
       raise ValueError("tree= needs a drafter: draft=<a draft model or a Medusa head> or "
                        "drafter='ngram'")
-    if gamma is not None:  # ignoring it would hide a missing draft=
-      raise ValueError(f"gamma={gamma!r} is a draft length, but there is no drafter: pass "
-                       "draft=<a draft model or head> or drafter='ngram', or leave gamma out "
-                       "for target-only decoding")
+    if gamma is not None:  # unused (draft=None toggles speculation off), but still checked
+      checks.int_at_least("gamma (draft length)", gamma, 1)
     return drafters_lib.NoDrafter(vocab_size=target.config.vocab_size)
   if drafter not in DRAFTERS:
     raise ValueError(f"drafter must be one of {DRAFTERS} (or None), got {drafter!r}")
@@ -425,8 +423,8 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
     draft: the draft model (same vocabulary as the target), or a draft head trained on
       this target (`load_pretrained('stdlib-eagle')`, 'stdlib-medusa'; `specjax.models.heads`),
       which drafts from the target's own hidden states.
-    gamma: draft tokens proposed per round (default 4; with a tree, its depth); only with
-      a drafter (without one, a gamma is refused rather than ignored).
+    gamma: draft tokens proposed per round (default 4; with a tree, its depth). Without a
+      drafter it is unused, but an invalid one is still refused.
     tree: a token tree for the model, n-gram or Medusa drafter: branching factors
       (k_1, ..., k_d) (every node at depth j-1 gets k_j children; (1,)*γ is the chain)
       or Medusa-style paths of child ranks, e.g. [(0,), (1,), (0, 0)]. The target scores

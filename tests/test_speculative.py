@@ -291,8 +291,8 @@ class SpeculativeBadInputTest(parameterized.TestCase):
       ("draft_context", dict(draft="short", prompts=[[1] * 20]), "draft's context"),
       ("empty_stop", dict(stop_sequences=[[]]), "stop sequence 0 is empty"),
       ("stop_vocab", dict(stop_sequences=[[1, 99]]), "stop sequence 0"),
-      # A γ or a draft that nothing would use is refused, not ignored.
-      ("gamma_without_drafter", dict(gamma=3, draft=None), "no drafter"),
+      # A bad γ is refused even where nothing uses it; a draft nothing would use too.
+      ("gamma_without_drafter", dict(gamma=-3, draft=None), "gamma"),
       ("draft_with_ngram", dict(drafter="ngram", draft="draft"), "uses no draft model"))
   def test_raises(self, kwargs, message):
     target, draft = target_and_draft()
