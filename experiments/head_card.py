@@ -23,11 +23,11 @@ from specjax.training import heads as train_heads
 
 _HEAD = flags.DEFINE_string("head", None, "Directory of the trained head (float32 export).")
 _OUT = flags.DEFINE_string("out", None, "Where the bfloat16 head goes.")
-_WINDOWS = flags.DEFINE_integer("windows", 64, "Held-out windows for α̂.")
-_TEST_WINDOWS = flags.DEFINE_integer("test_windows", 8, "Windows of the test slice.")
-_GAMMA = flags.DEFINE_integer("gamma", 4, "Draft length of the decode measurement.")
-_PROMPTS = flags.DEFINE_integer("prompts", 16, "Held-out prompts for the decode measurement.")
-_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 64, "Tokens per prompt.")
+_WINDOWS = flags.DEFINE_integer("windows", 64, "Held-out windows for α̂.", lower_bound=1)
+_TEST_WINDOWS = flags.DEFINE_integer("test_windows", 8, "Windows of the test slice.", lower_bound=1)
+_GAMMA = flags.DEFINE_integer("gamma", 4, "Draft length of the decode measurement.", lower_bound=1)
+_PROMPTS = flags.DEFINE_integer("prompts", 16, "Held-out prompts for the decode measurement.", lower_bound=1)
+_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 64, "Tokens per prompt.", lower_bound=1)
 _NEW = flags.DEFINE_integer("max_new", 64, "New tokens per prompt.")
 flags.mark_flags_as_required(["head", "out"])
 

@@ -31,9 +31,9 @@ from specjax.training import lm as train_lib
 _TARGET = flags.DEFINE_string("target", "stdlib-target", "Target model name or directory.")
 _DRAFT = flags.DEFINE_string("draft", "stdlib-draft", "Draft model name or directory.")
 _OUT = flags.DEFINE_string("out", "", "Where to write the JSON (default: print only).")
-_WINDOWS = flags.DEFINE_integer("windows", 64, "Held-out windows of seq_len tokens.")
-_SEQ_LEN = flags.DEFINE_integer("seq_len", 256, "Tokens per held-out window.")
-_MAX_GAMMA = flags.DEFINE_integer("max_gamma", 8, "Verify passes of 2..max_gamma+1 tokens.")
+_WINDOWS = flags.DEFINE_integer("windows", 64, "Held-out windows of seq_len tokens.", lower_bound=1)
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 256, "Tokens per held-out window.", lower_bound=1)
+_MAX_GAMMA = flags.DEFINE_integer("max_gamma", 8, "Verify passes of 2..max_gamma+1 tokens.", lower_bound=1)
 
 # The small fixed slice tests/test_pretrained.py re-measures (fast on any CPU).
 TEST_SLICE_WINDOWS = 16

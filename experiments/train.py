@@ -11,6 +11,10 @@ from specjax.training import lm as train_lib
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file[:variant].")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and the model.")
 flags.mark_flags_as_required(["config", "workdir"])
+# An empty --workdir= would be the current directory (the repo root, whose checkpoints/
+# holds the shipped models).
+flags.register_validator("workdir", lambda w: w is None or bool(w.strip()),
+                         "--workdir must be a directory path, not empty")
 
 
 def main(argv):

@@ -440,3 +440,13 @@ def test_a_broken_head_file_names_what_is_wrong(target, tmp_path):
     (path / heads_lib.MANIFEST).write_text(json.dumps(m))
     with pytest.raises(checkpoint.CheckpointError, match=message):
       heads_lib.load_head(path)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(head="tree"), "config.head"), (dict(medusa_heads=0), "config.medusa_heads"),
+    (dict(feature_noise=float("nan")), "config.feature_noise"), (dict(lr=-1.0), "config.lr"),
+    (dict(teacher=""), "config.teacher"), (dict(teacher="stdlib-medusa"), "not a model")])
+def test_a_bad_head_config_fails_before_anything_is_written(tmp_path, overrides, message):
+  with pytest.raises(ValueError, match=message):
+    train_heads.train(_config("eagle", 4, **overrides), tmp_path / "run")
+  assert not (tmp_path / "run").exists()

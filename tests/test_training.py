@@ -181,3 +181,64 @@ def test_acceptance_rate_is_expected_overlap():
   assert rates["positions"] == 3 * 8
   same = train_lib.acceptance_rate(target, target, windows)
   np.testing.assert_allclose([same["alpha_t0"], same["alpha_t1"]], [1.0, 1.0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(lr=float("nan")), "config.lr"),
+    (dict(lr=0.0), "config.lr"),
+    (dict(steps=0), "config.steps"),
+    (dict(warmup_steps=4), "config.warmup_steps"),
+    (dict(batch_size=0), "config.batch_size"),
+    (dict(log_every=0), "config.log_every"),
+    (dict(eval_batch_size=0), "config.eval_batch_size"),
+    (dict(seq_len=65), "config.seq_len"),
+    (dict(distill="mse"), "config.distill"),
+    (dict(distill="fkl"), "needs config.teacher"),
+    (dict(export_dtype="int8"), "floating dtype"),
+    (dict(b2=1.0), "config.b2"),
+])
+def test_a_bad_config_fails_before_anything_is_written(corpus_dir, tmp_path, overrides, message):
+  with pytest.raises(ValueError, match=message):
+    train_lib.train(_tiny_config(corpus_dir, **overrides), tmp_path / "run")
+  assert not (tmp_path / "run").exists()
+
+
+def test_a_teacher_that_is_a_head_or_too_short_is_refused(corpus_dir, tmp_path):
+  with pytest.raises(ValueError, match="is a Head, not a model"):
+    train_lib.train(_tiny_config(corpus_dir, teacher="stdlib-eagle", distill="fkl"),
+                    tmp_path / "run")
+  short = tmp_path / "short"
+  checkpoint.save_model(short, init_model(TINY).config, init_model(TINY).params)
+  with pytest.raises(ValueError, match="feeds the teacher 33 positions, more than"):
+    train_lib.train(_tiny_config(corpus_dir, teacher=str(short), distill="fkl", seq_len=33),
+                    tmp_path / "run")
+  assert not (tmp_path / "run").exists()
+
+
+def test_a_workdir_resumes_only_its_own_run(corpus_dir, tmp_path):
+  run = tmp_path / "run"
+  (run / "checkpoints").mkdir(parents=True)
+  saved = _tiny_config(corpus_dir).to_json_best_effort(indent=2, sort_keys=True) + "\n"
+  (run / "config.json").write_text(saved)
+  with pytest.raises(ValueError, match=r"another run: config fields \['lr', 'model'\]"):
+    train_lib.train(_tiny_config(corpus_dir, lr=5e-3, model=dict(
+        train_configs.get_config("tiny").model, n_heads=1)), run)
+  assert (run / "config.json").read_text() == saved  # the run it holds is still described
+  # Its length, cadence and export may change (a longer run continues the schedule).
+  train_lib.check_resume(run, _tiny_config(corpus_dir, steps=8, eval_every=4))
+
+
+def test_an_export_over_another_kind_of_checkpoint_is_refused(corpus_dir, tmp_path):
+  (tmp_path / "elsewhere").mkdir()
+  (tmp_path / "elsewhere" / "head.json").write_text("{}")
+  with pytest.raises(ValueError, match="another kind of checkpoint"):
+    train_lib.train(_tiny_config(corpus_dir, export_dir=str(tmp_path / "elsewhere")),
+                    tmp_path / "run")
+  assert not (tmp_path / "run").exists()
+
+
+def test_metrics_cut_short_by_a_crash_are_dropped(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"ste')
+  train_lib._MetricsLog(path, resume_step=2)
+  assert path.read_text() == '{"step": 1}\n{"step": 2}\n'

@@ -70,6 +70,8 @@ def save_model(path: str | os.PathLike, config: ModelConfig, params, tokenizer=N
   half-written checkpoint that looks complete.
   """
   path = Path(path)
+  if (path / "head.json").is_file():
+    raise CheckpointError(f"{path} holds a draft head (head.json); save the model elsewhere")
   path.mkdir(parents=True, exist_ok=True)
   leaves, _ = jax.tree_util.tree_flatten_with_path(params)
   arrays, specs = {}, {}

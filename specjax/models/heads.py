@@ -303,6 +303,9 @@ def is_head(path: str | os.PathLike) -> bool:
 
 def save_head(path: str | os.PathLike, head: Head, dtype=None) -> Path:
   path = Path(path)
+  if (path / checkpoint_lib.MANIFEST).is_file():
+    raise checkpoint_lib.CheckpointError(f"{path} holds a model ({checkpoint_lib.MANIFEST}); "
+                                         "save the head elsewhere")
   path.mkdir(parents=True, exist_ok=True)
   arrays, specs = {}, {}
   for p, leaf in jax.tree_util.tree_flatten_with_path(head.params)[0]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -147,16 +148,33 @@ def head_config_from(config, target) -> heads_lib.HeadConfig:
                               medusa_heads=int(config.get("medusa_heads", 4)))
 
 
+def validate(config) -> None:
+  """`lm.validate` and the head's own fields: ValueError naming the field."""
+  train_lib.validate(config)
+  if config.head not in heads_lib.KINDS:
+    raise ValueError(f"config.head must be one of {heads_lib.KINDS}, got {config.head!r}")
+  if not config.teacher:
+    raise ValueError("config.teacher must name the target the head drafts for")
+  heads = config.get("medusa_heads", 4)
+  if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
+    raise ValueError(f"config.medusa_heads must be an int >= 1, got {heads!r}")
+  for field in ("feature_weight", "distill_weight", "medusa_decay", "feature_noise"):
+    value = config.get(field, 0.0)
+    if (not isinstance(value, (int, float)) or isinstance(value, bool)
+        or not math.isfinite(value) or value < 0):
+      raise ValueError(f"config.{field} must be a finite number >= 0, got {value!r}")
+
+
 def train(config, workdir: str | os.PathLike) -> heads_lib.Head:
   """Runs (or resumes) a head job: data from `config.corpus`, target `config.teacher`."""
-  workdir = Path(workdir).expanduser().resolve()
-  workdir.mkdir(parents=True, exist_ok=True)
-  (workdir / "config.json").write_text(config.to_json_best_effort(indent=2, sort_keys=True) + "\n")
-  target = train_lib._load_teacher(config.teacher)
+  validate(config)
+  target = train_lib._load_teacher(config.teacher, config.seq_len + 1)
   if target.tokenizer is None:
     raise ValueError(f"target {config.teacher!r} has no tokenizer")
-  target.tokenizer.save(workdir / "tokenizer.json")
   corpus = data_lib.load_corpus(config.corpus, config.heldout_fraction)
+  train_lib.check_export_dir(config, workdir, "head", heads_lib.MANIFEST)
+  workdir = train_lib.start_workdir(workdir, config)
+  target.tokenizer.save(workdir / "tokenizer.json")
   train_stream, heldout_stream = train_lib._token_streams(workdir, corpus, target.tokenizer)
   return run(config, workdir, target, train_stream, heldout_stream)
 

@@ -206,9 +206,122 @@ def model_config_from(config) -> ModelConfig:
   raise ValueError(f"config.model.style must be 'gpt2' or 'llama', got {style!r}")
 
 
-def _load_teacher(spec: str):
+# Fields a resumed run may change: its length (the schedule is a function of the step and
+# `steps`, as a longer run's is), how often it logs, evaluates and saves, and its export.
+RESUMABLE_FIELDS = frozenset({"steps", "log_every", "eval_every", "eval_windows",
+                              "eval_batch_size", "checkpoint_every", "export_dir",
+                              "export_dtype"})
+
+
+def validate(config) -> None:
+  """ValueError naming the field for a config no run could take, before anything is read
+  or written (a bad value found after a resume could cost its checkpoints)."""
+
+  def need(ok, field, what):
+    if not ok:
+      raise ValueError(f"config.{field} {what}, got {config.get(field)!r}")
+
+  def is_int(x):
+    return isinstance(x, int) and not isinstance(x, bool)
+
+  def is_num(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+  for field in ("steps", "seq_len", "batch_size", "eval_windows", "eval_batch_size",
+                "log_every", "eval_every", "checkpoint_every"):
+    need(is_int(config.get(field)) and config[field] >= 1, field, "must be an int >= 1")
+  need(is_int(config.warmup_steps) and 0 <= config.warmup_steps < config.steps,
+       "warmup_steps", f"must be an int in [0, steps={config.steps})")
+  need(is_int(config.seed) and config.seed >= 0, "seed", "must be an int >= 0")
+  need(is_num(config.lr) and config.lr > 0, "lr", "must be a finite number > 0")
+  need(is_num(config.weight_decay) and config.weight_decay >= 0, "weight_decay",
+       "must be a finite number >= 0")
+  need(is_num(config.grad_clip) and config.grad_clip > 0, "grad_clip",
+       "must be a finite number > 0")
+  for field in ("b1", "b2"):
+    need(is_num(config[field]) and 0 <= config[field] < 1, field, "must be in [0, 1)")
+  need(is_num(config.end_lr_fraction) and 0 <= config.end_lr_fraction <= 1, "end_lr_fraction",
+       "must be in [0, 1]")
+  need(is_num(config.distill_weight) and 0 <= config.distill_weight <= 1, "distill_weight",
+       "must be in [0, 1]")
+  if config.export_dtype:
+    model_lib.float_dtype(config.export_dtype)  # ValueError naming it
+  if config.get("head"):
+    return  # the head's own fields: `heads.validate`
+  need(config.distill in ("",) + DISTILL_KINDS, "distill",
+       f"must be '' or one of {DISTILL_KINDS}")
+  need(not config.distill or config.teacher, "distill", "needs config.teacher")
+  try:
+    cfg = model_config_from(config)  # ValueError naming the ModelConfig field
+  except TypeError as e:  # an unknown field
+    raise ValueError(f"config.model: {e}") from e
+  need(config.seq_len <= cfg.max_len, "seq_len", f"must be <= the model's max_len {cfg.max_len}")
+
+
+def check_resume(workdir: Path, config) -> None:
+  """A workdir with checkpoints resumes only the run it holds: ValueError naming the
+  fields that differ (other than `RESUMABLE_FIELDS`), before anything is written."""
+  saved = workdir / "config.json"
+  if not (workdir / "checkpoints").is_dir() or not saved.is_file():
+    return
+  try:
+    old = json.loads(saved.read_text())
+  except (ValueError, OSError) as e:
+    raise ValueError(f"{saved} is unreadable ({e}); it describes the checkpoints in "
+                     f"{workdir / 'checkpoints'}: mend it or use a new workdir") from e
+  new = json.loads(config.to_json_best_effort())
+  differ = sorted(k for k in set(old) | set(new)
+                  if k not in RESUMABLE_FIELDS and old.get(k) != new.get(k))
+  if differ:
+    raise ValueError(f"{workdir} holds checkpoints of another run: config fields "
+                     f"{differ} differ from its config.json (a resume may change only "
+                     f"{sorted(RESUMABLE_FIELDS)}); use a new workdir")
+
+
+def start_workdir(workdir, config) -> Path:
+  """The resolved workdir, checked against `config` and holding its config.json."""
+  if not str(workdir).strip():
+    raise ValueError("workdir must be a directory path, got an empty string")
+  workdir = Path(workdir).expanduser().resolve()
+  check_resume(workdir, config)
+  workdir.mkdir(parents=True, exist_ok=True)
+  _atomic_text(workdir / "config.json", config.to_json_best_effort(indent=2, sort_keys=True)
+               + "\n")
+  return workdir
+
+
+def check_export_dir(config, workdir, default: str = "model",
+                     marker: str = checkpoint_lib.MANIFEST) -> Path:
+  """Where the job exports (config.export_dir, else WORKDIR/`default`), refused before
+  any work if it holds another kind of artifact or is the teacher's own directory."""
+  path = (Path(config.export_dir) if config.export_dir
+          else Path(workdir) / default).expanduser().resolve()
+  for other in ("model.json", "head.json"):
+    if other != marker and (path / other).is_file():
+      raise ValueError(f"config.export_dir: {path} holds another kind of checkpoint "
+                       f"({other}); export elsewhere")
+  if config.teacher and Path(config.teacher).expanduser().resolve() == path:
+    raise ValueError(f"config.export_dir: {path} is the teacher's own directory")
+  return path
+
+
+def _atomic_text(path: Path, text: str):
+  tmp = path.with_name(path.name + ".tmp")
+  tmp.write_text(text)
+  os.replace(tmp, path)
+
+
+def _load_teacher(spec: str, positions: int | None = None):
+  """The teacher (or a head's target) as a Model; ValueError if `spec` names a head or
+  its context is shorter than the `positions` a training window feeds it."""
   from specjax.models.pretrained import load_pretrained
-  return load_pretrained(spec)
+  teacher = load_pretrained(spec)
+  if not isinstance(teacher, model_lib.Model):
+    raise ValueError(f"config.teacher {spec!r} is a {type(teacher).__name__}, not a model")
+  if positions is not None and positions > teacher.config.max_len:
+    raise ValueError(f"config.seq_len: a window feeds the teacher {positions} positions, "
+                     f"more than {spec!r}'s max_len {teacher.config.max_len}")
+  return teacher
 
 
 def _prepare_tokenizer(config, workdir: Path, corpus, teacher) -> Tokenizer:
@@ -233,10 +346,15 @@ def _token_streams(workdir: Path, corpus, tok: Tokenizer):
   for split in ("train", "heldout"):
     cache = workdir / f"tokens_{split}.npy"
     if cache.is_file():
-      streams[split] = np.load(cache).astype(np.int32)
-      continue
+      try:
+        streams[split] = np.load(cache).astype(np.int32)
+        continue
+      except (ValueError, OSError, EOFError):  # a cache cut short: tokenize again
+        _log(f"note: {cache} is unreadable; tokenizing {split} again")
     stream = data_lib.token_stream(tok, corpus.read(split))
-    np.save(cache, stream.astype(np.uint16 if tok.vocab_size <= 65536 else np.int32))
+    tmp = cache.with_name(f"tokens_{split}.tmp.npy")
+    np.save(tmp, stream.astype(np.uint16 if tok.vocab_size <= 65536 else np.int32))
+    os.replace(tmp, cache)
     streams[split] = stream
   return streams["train"], streams["heldout"]
 
@@ -248,12 +366,20 @@ class _MetricsLog:
     self.path = path
     if path.is_file():
       kept = [l for l in path.read_text().splitlines()
-              if l.strip() and json.loads(l).get("step", 0) <= resume_step]
-      path.write_text("".join(l + "\n" for l in kept))
+              if _record_step(l) is not None and _record_step(l) <= resume_step]
+      _atomic_text(path, "".join(l + "\n" for l in kept))
 
   def write(self, record: dict[str, Any]):
     with self.path.open("a") as f:
       f.write(json.dumps(record, sort_keys=True) + "\n")
+
+
+def _record_step(line: str):
+  """A metrics line's step; None for a line cut short by a crash mid-write."""
+  try:
+    return json.loads(line).get("step", 0)
+  except (ValueError, AttributeError):
+    return None
 
 
 def _log(msg: str):
@@ -269,28 +395,21 @@ def train(config, workdir: str | os.PathLike) -> model_lib.Model:
   """
   import orbax.checkpoint as ocp
 
-  workdir = Path(workdir).expanduser().resolve()
-  workdir.mkdir(parents=True, exist_ok=True)
-  config_json = config.to_json_best_effort(indent=2, sort_keys=True)
-  saved_config = workdir / "config.json"
-  if saved_config.is_file() and json.loads(saved_config.read_text()) != json.loads(config_json):
-    _log(f"note: {saved_config} differs from this config; resuming with the new one")
-  saved_config.write_text(config_json + "\n")
-
+  validate(config)
+  cfg = model_config_from(config)
   corpus = data_lib.load_corpus(config.corpus, config.heldout_fraction)
-  teacher = _load_teacher(config.teacher) if config.teacher else None
+  teacher = _load_teacher(config.teacher, config.seq_len) if config.teacher else None
+  if teacher is not None and teacher.config.vocab_size != cfg.vocab_size:
+    raise ValueError(f"teacher vocab {teacher.config.vocab_size} != student vocab {cfg.vocab_size}")
+  export_dir = check_export_dir(config, workdir)
+  workdir = start_workdir(workdir, config)
   tok = _prepare_tokenizer(config, workdir, corpus, teacher)
   train_stream, heldout_stream = _token_streams(workdir, corpus, tok)
   byte_lengths = tok.token_byte_lengths()
   eval_windows = data_lib.eval_windows(heldout_stream, config.seq_len, config.eval_windows)
 
-  cfg = model_config_from(config)
   if cfg.vocab_size < tok.vocab_size:
     raise ValueError(f"model vocab_size {cfg.vocab_size} < tokenizer's {tok.vocab_size}")
-  if config.seq_len > cfg.max_len:
-    raise ValueError(f"seq_len {config.seq_len} exceeds the model's max_len {cfg.max_len}")
-  if teacher is not None and teacher.config.vocab_size != cfg.vocab_size:
-    raise ValueError(f"teacher vocab {teacher.config.vocab_size} != student vocab {cfg.vocab_size}")
   model = model_lib.init_model(cfg, config.seed)
   graphdef, params = model.graphdef, model.params
   optimizer = make_optimizer(config.lr, config.warmup_steps, config.steps, config.weight_decay,
@@ -375,7 +494,6 @@ def train(config, workdir: str | os.PathLike) -> model_lib.Model:
   manager.close()
 
   final = evaluate(graphdef, params, eval_windows, byte_lengths, config.eval_batch_size)
-  export_dir = Path(config.export_dir) if config.export_dir else workdir / "model"
   meta = {"train_steps": config.steps, "train_tokens": config.steps * tokens_per_step,
           "train_wall_s": round(elapsed, 1), "heldout_loss": final["loss"],
           "heldout_bits_per_byte": final["bits_per_byte"], "corpus": config.corpus,
