@@ -242,12 +242,12 @@ def validate(config) -> None:
     need(is_num(config[field]) and 0 <= config[field] < 1, field, "must be in [0, 1)")
   need(is_num(config.end_lr_fraction) and 0 <= config.end_lr_fraction <= 1, "end_lr_fraction",
        "must be in [0, 1]")
-  need(is_num(config.distill_weight) and 0 <= config.distill_weight <= 1, "distill_weight",
-       "must be in [0, 1]")
   if config.export_dtype:
     model_lib.float_dtype(config.export_dtype)  # ValueError naming it
   if config.get("head"):
-    return  # the head's own fields: `heads.validate`
+    return  # the head's own fields (its loss weights are not a mix): `heads.validate`
+  need(is_num(config.distill_weight) and 0 <= config.distill_weight <= 1, "distill_weight",
+       "must be in [0, 1]")
   need(config.distill in ("",) + DISTILL_KINDS, "distill",
        f"must be '' or one of {DISTILL_KINDS}")
   need(not config.distill or config.teacher, "distill", "needs config.teacher")
@@ -285,8 +285,9 @@ def start_workdir(workdir, config) -> Path:
   workdir = Path(workdir).expanduser().resolve()
   check_resume(workdir, config)
   workdir.mkdir(parents=True, exist_ok=True)
-  _atomic_text(workdir / "config.json", config.to_json_best_effort(indent=2, sort_keys=True)
-               + "\n")
+  checkpoint_lib._atomic_write(
+      workdir / "config.json",
+      (config.to_json_best_effort(indent=2, sort_keys=True) + "\n").encode())
   return workdir
 
 
@@ -303,12 +304,6 @@ def check_export_dir(config, workdir, default: str = "model",
   if config.teacher and Path(config.teacher).expanduser().resolve() == path:
     raise ValueError(f"config.export_dir: {path} is the teacher's own directory")
   return path
-
-
-def _atomic_text(path: Path, text: str):
-  tmp = path.with_name(path.name + ".tmp")
-  tmp.write_text(text)
-  os.replace(tmp, path)
 
 
 def _load_teacher(spec: str, positions: int | None = None):
@@ -366,8 +361,8 @@ class _MetricsLog:
     self.path = path
     if path.is_file():
       kept = [l for l in path.read_text().splitlines()
-              if _record_step(l) is not None and _record_step(l) <= resume_step]
-      _atomic_text(path, "".join(l + "\n" for l in kept))
+              if (step := _record_step(l)) is not None and step <= resume_step]
+      checkpoint_lib._atomic_write(path, "".join(l + "\n" for l in kept).encode())
 
   def write(self, record: dict[str, Any]):
     with self.path.open("a") as f:
