@@ -406,8 +406,8 @@ def call_costs(target, prompts, method: dict, baseline: dict, rounds: int = 64,
     fixed_method, fixed_baseline: F of each side / t of target-only;
     round_method_s, round_baseline_s: t of each side (seconds);
   new_tokens, the method's budget, and repeats_kept: a repeat where either side's R rounds
-  took no longer than one (rounds of a tiny model, lost in the host's jitter) is dropped,
-  and with none kept the values are NaN. `ledger.predicted_call_speedup` turns these and
+  took no longer than one is timed again, up to three times, then dropped (rounds of a
+  tiny model, lost in the host's jitter), and with none kept the values are NaN. `ledger.predicted_call_speedup` turns these and
   E(α̂, γ) into a whole-call prediction. Each repeat times both sides in alternating
   order, so a machine that slows down moves a ratio's two sides alike.
   """
@@ -421,12 +421,15 @@ def call_costs(target, prompts, method: dict, baseline: dict, rounds: int = 64,
   out = {k: [] for k in ("round", "fixed_method", "fixed_baseline", "round_method_s",
                          "round_baseline_s")}
   for i in range(max(repeats, 1)):
-    t, fixed = {}, {}
-    for name, call in (sides if i % 2 == 0 else sides[::-1]):
-      (w1, _), (wr, ran) = call(1), call(r[name])
-      t[name] = (wr - w1) / (ran - 1) if ran > 1 else 0.0
-      fixed[name] = max(w1 - t[name], 0.0)
-    if min(t.values()) <= 0:  # rounds too short to see past the host's jitter: no ratio
+    for _ in range(3):  # a stall in a 1-round call (a loaded machine): time it again
+      t, fixed = {}, {}
+      for name, call in (sides if i % 2 == 0 else sides[::-1]):
+        (w1, _), (wr, ran) = call(1), call(r[name])
+        t[name] = (wr - w1) / (ran - 1) if ran > 1 else 0.0
+        fixed[name] = max(w1 - t[name], 0.0)
+      if min(t.values()) > 0:
+        break
+    else:  # rounds too short to see past the host's jitter: no ratio
       continue
     out["round"].append(t["m"] / t["b"])
     out["fixed_method"].append(fixed["m"] / t["b"])
