@@ -289,8 +289,10 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
       lengths, state.done, narrow, **layout)
   # Position i is processed with the history of the committed prefix + y_1..y_{i-1};
   # a tree node with the committed prefix + the tokens on its root-to-node path.
-  prefixes = (_per_prefix(sampling, state.history, ys) if tree is None
-              else _per_node(sampling, state.history, ys, tree))
+  # (Stop strings alone change no logits: nothing to process per prefix.)
+  adjusted = state.history if sampling.pcfg.adjusts else None
+  prefixes = (_per_prefix(sampling, adjusted, ys) if tree is None
+              else _per_node(sampling, adjusted, ys, tree))
   if prefixes is None:
     ps = sampling.process(logits)
   else:
@@ -316,6 +318,14 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
   after = _per_prefix(sampling, state.history, new)  # [B, γ+2]: after 0..γ+1 of `new`
   if sampling.pcfg.constraint:  # a finished constrained text stops like a stop sequence
     hits |= processors.terminal(sampling.procs, after.fsm[:, 1:])
+  if sampling.pcfg.stop_text:  # stop strings, matched on the text
+    before = jax.tree_util.tree_map(lambda x: x[:, :-1], after)  # before each of `new`
+    hits |= processors.stop_string_hits(sampling.procs, before, new)
+  if sampling.pcfg.bans:  # a prefix where every token is banned ends the row there
+    blocked = jax.vmap(functools.partial(processors.nothing_allowed, sampling.pcfg,
+                                         sampling.procs), in_axes=1, out_axes=1)(after)
+    room = jnp.minimum(room, jnp.where(jnp.any(blocked, axis=1), jnp.argmax(blocked, axis=1),
+                                       room))
   count, stop = commit_count(n_accepted, room, hits, state.done)
   tokens = kv_cache.write(state.tokens, new, state.n, count)
   n = state.n + count

@@ -12,6 +12,7 @@ import numpy as np
 from specjax import checks
 from specjax import decode as decode_lib
 from specjax.processors import history as processors
+from specjax.processors import stops
 from specjax import trees
 from specjax import drafters as drafters_lib
 from specjax.models import heads as heads_lib
@@ -288,28 +289,37 @@ def _eos_ids(eos_id) -> list:
 
 
 def _stop_table(target: Model, eos_id, stop_sequences):
-  """EOS ids and stop sequences as one right-aligned table [K, L] plus lengths [K]."""
+  """EOS ids and token-id stop sequences as one right-aligned table [K, L] plus lengths
+  [K]; and the stop strings (as UTF-8 bytes), which match on the text."""
   vocab = target.config.vocab_size
   eos = _eos_ids(eos_id)
   seqs = [checks.token_ids("eos_id", [e], vocab) for e in eos]
+  strings = []
   if isinstance(stop_sequences, (str, bytes)):  # one stop string, not a list of characters
     stop_sequences = [stop_sequences]
   for i, stop in enumerate([] if stop_sequences is None else list(stop_sequences)):
-    if isinstance(stop, str):
+    if isinstance(stop, (str, bytes)):
       if target.tokenizer is None:
         raise ValueError(f"stop sequence {i} is a string but the target has no tokenizer")
-      stop = target.tokenizer.encode(stop)
+      if not stop:
+        raise ValueError(f"stop sequence {i} is empty")
+      strings.append(stop.encode("utf-8") if isinstance(stop, str) else bytes(stop))
+      continue
     stop = checks.token_ids(f"stop sequence {i}", stop, vocab)
     if not stop:
       raise ValueError(f"stop sequence {i} is empty")
     seqs.append(stop)
+  # The text automaton has a state per stop-string byte, each a row over the vocabulary.
+  if (sum(map(len, strings)) + 1) * vocab > 2 ** 27:
+    raise ValueError(f"stop strings too long: {sum(map(len, strings))} bytes in all; their "
+                     f"table over {vocab} tokens would pass 2**27 entries")
   span = max([len(s) for s in seqs] + [1])
   table = np.zeros((max(len(seqs), 1), span), np.int32)
   lens = np.zeros((max(len(seqs), 1),), np.int32)
   for k, stop in enumerate(seqs):
     table[k, span - len(stop):] = stop
     lens[k] = len(stop)
-  return table, lens
+  return table, lens, strings
 
 
 def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p, eos_id,
@@ -341,13 +351,14 @@ def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p
     raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k.tolist()}")
   # k >= vocab keeps everything; clipping first keeps huge k from wrapping in int32.
   top_k = np.minimum(top_k, target.config.vocab_size).astype(np.int32)
-  stop_seqs, stop_lens = _stop_table(target, eos_id, stop_sequences)
+  stop_seqs, stop_lens, stop_strings = _stop_table(target, eos_id, stop_sequences)
+  stop_text = stops.tokenizer_table(target.tokenizer, stop_strings) if stop_strings else None
   pcfg, procs = processors.settings_from_args(
       batch, target.config.vocab_size, max_new_tokens, stop_seqs, stop_lens,
       _eos_ids(eos_id), repetition_penalty=repetition_penalty,
       presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
       no_repeat_ngram_size=no_repeat_ngram_size, min_new_tokens=min_new_tokens,
-      logit_bias=logit_bias, constraint=constraint)
+      logit_bias=logit_bias, constraint=constraint, stop_table=stop_text)
   drafter_obj = make_drafter(target, draft, drafter, gamma, draft_sample, ngram_min, ngram_max,
                              tree)
   rule = rules_lib.make_rule(verify_rule, rule_params, drafter_obj.gamma)
@@ -418,8 +429,12 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
       draft; scalars or one value per prompt. temperature 0 is exact greedy.
     seed: PRNG seed; rows draw independent random numbers from it.
     eos_id: an id (or list of ids) that ends a row; it is emitted, nothing after it.
-    stop_sequences: token-id lists (or strings, encoded with the target's tokenizer) that
-      end a row once generated; emitted like EOS. A match must lie in the new tokens.
+    stop_sequences: token-id lists, or strings, that end a row once generated; the
+      tokens that complete one are emitted, like EOS. A match must lie in the new text.
+      A string matches the text however it was split into tokens: the row stops at the
+      first token whose text completes it, and that token's text may run past the string
+      (")" stops a row at ")[" ). A match completed within the first `min_new_tokens`
+      tokens does not count.
     draft: the draft model (same vocabulary as the target), or a draft head trained on
       this target (`load_pretrained('stdlib-eagle')`, 'stdlib-medusa'; `specjax.models.heads`),
       which drafts from the target's own hidden states.
@@ -445,13 +460,16 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
     repetition_penalty: Hugging Face/CTRL rule over prompt + generated tokens (1 = off).
     presence_penalty, frequency_penalty: OpenAI rule over generated tokens (0 = off).
     no_repeat_ngram_size: bans a token that would repeat an n-gram of prompt + generated.
-    min_new_tokens: EOS and the first token of every stop sequence are banned before this.
+    min_new_tokens: EOS and the first token of every token-id stop sequence are banned
+      before this; a stop string completed before it does not count.
     logit_bias: {token_id: bias} (or one dict per prompt) added to the raw logits.
     constraint: a `specjax.constraints.TokenAutomaton` (e.g. `constraints.regex(...)`):
       tokens leaving its language are masked; EOS only where it accepts; a row whose
       text is complete with nothing to follow stops.
     The processors act on the raw logits, per candidate prefix, for target and draft
     alike, before temperature / top-k / top-p; speculation stays lossless with them.
+    Where together they ban every token (no_repeat_ngram_size=1 once every token has
+    appeared), the row ends there.
     gamma_policy: how many of its γ tokens each row drafts per round (`specjax.policies`;
       all lossless): 'fixed' (γ), 'heuristic' (+2 after a fully accepted round, -1
       otherwise), 'confidence' (stop after a draft token whose top probability is below

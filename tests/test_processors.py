@@ -181,6 +181,27 @@ class GreedyTest(parameterized.TestCase):
     self.assertLen(traced, 1)
 
 
+class NothingAllowedTest(parameterized.TestCase):
+  """Where the bans rule out every token the row ends; before, it fell back to the
+  unprocessed logits and broke its own bans."""
+
+  @parameterized.named_parameters(
+      ("autoregressive", {}), ("model", dict(draft=True, gamma=3)),
+      ("ngram", dict(drafter="ngram", gamma=2)), ("tree", dict(draft=True, tree=(2, 1))))
+  def test_no_repeat_unigrams_use_up_the_vocabulary_then_stop(self, spec):
+    target, draft = target_and_draft()  # 8 tokens
+    if spec.pop("draft", False):
+      spec["draft"] = draft
+    prompts = [[1, 2, 3], [4], list(range(VOCAB))] * 2
+    res = specjax.generate(target, prompts, max_new_tokens=10, no_repeat_ngram_size=1,
+                           temperature=[0.0] * 3 + [1.0] * 3, seed=1, **spec)
+    for prompt, row in zip(prompts, res.tokens):
+      self.assertLen(set(row), len(row))  # no token twice
+      self.assertFalse(set(row) & set(prompt))
+      self.assertEqual(set(row) | set(prompt), set(range(VOCAB)))  # ran until none was left
+    self.assertEqual(res.tokens[2], [])  # the prompt used every token: nothing to generate
+
+
 @pytest.fixture(scope="module")
 def shipped():
   return specjax.load_pretrained("stdlib-target"), specjax.load_pretrained("stdlib-draft")

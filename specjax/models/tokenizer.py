@@ -10,6 +10,7 @@ any Hugging Face `tokenizer.json`; there `eos_id` is found by the usual names.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Iterable
 
@@ -18,6 +19,7 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 EOS_TOKEN = "<|endoftext|>"
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte fallback
 # Names end-of-text tokens go by in Hugging Face tokenizer files, in order of preference.
 _EOS_NAMES = (EOS_TOKEN, "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>", "<|eot_id|>")
 
@@ -112,6 +114,31 @@ class Tokenizer:
       else:  # not a byte-level vocabulary: fall back to the UTF-8 length of its text
         lengths[idx] = len(self._tok.decode([idx]).encode("utf-8"))
     return lengths
+
+  def token_bytes(self) -> list[bytes]:
+    """The bytes each token adds to a decoded text (stop strings match on these).
+
+    Exact for byte-level BPE. Special tokens add their own name, as `decode` writes them;
+    SentencePiece byte tokens (`<0x0A>`) their byte and its word marker a space.
+    """
+    byte_of = {c: b for b, c in _bytes_to_unicode().items()}
+    special = {t.content for t in self._tok.get_added_tokens_decoder().values()}
+    vocab = self._tok.get_vocab(with_added_tokens=True)
+    # A byte-level vocabulary holds all 256 byte symbols (its initial alphabet); in any
+    # other, a character like "é" is itself, not the byte 0xE9.
+    byte_level = all(c in vocab for c in byte_of)
+    out = [b""] * self.vocab_size
+    for token, idx in vocab.items():
+      piece = _BYTE_PIECE.fullmatch(token)
+      if token in special:
+        out[idx] = token.encode("utf-8")
+      elif byte_level and all(c in byte_of for c in token):
+        out[idx] = bytes(byte_of[c] for c in token)
+      elif piece:
+        out[idx] = bytes([int(piece.group(1), 16)])
+      else:
+        out[idx] = token.replace("\u2581", " ").encode("utf-8")
+    return out
 
   def __repr__(self):
     return f"Tokenizer(vocab_size={self.vocab_size}, eos={self.eos_token!r})"

@@ -8,13 +8,16 @@ prompt + committed + y_1..y_{i-1}, and the draft processes its own proposals the
 way as it drafts. Nothing survives a rejection: the committed `History` is advanced
 over the committed tokens only.
 
+Stop strings matched on the text (`stops.py`) ride along: they change no logits, but
+their automaton state is history too, so the round can tell which candidate ends a row.
+
 Three pieces:
   `ProcessorConfig` (static, in the engine): which processors run — one compile per
     combination, and none of this costs anything when all are off;
   `ProcessorSettings` (traced, in `Sampling`): their per-row values;
   `History` (traced, per prefix): what they need of the text so far — its length, token
-    counts (prompt + generated, and generated only), the automaton state and, for n-gram
-    bans, the token sequence itself.
+    counts (prompt + generated, and generated only), the automata's states and, for
+    n-gram bans, the token sequence itself.
 """
 
 from __future__ import annotations
@@ -38,11 +41,23 @@ class ProcessorConfig:
   min_new: bool = False
   bias: bool = False
   constraint: bool = False
+  stop_text: bool = False  # stop strings matched on the text (they track, never mask)
+
+  @property
+  def adjusts(self) -> bool:
+    """Whether some processor changes the logits."""
+    return bool(self.repetition or self.presence or self.ngram or self.min_new or self.bias
+                or self.constraint)
+
+  @property
+  def bans(self) -> bool:
+    """Whether some processor can rule tokens out (then possibly all of them)."""
+    return bool(self.ngram or self.min_new or self.constraint)
 
   @property
   def active(self) -> bool:
-    return bool(self.repetition or self.presence or self.ngram or self.min_new or self.bias
-                or self.constraint)
+    """Whether the engine keeps a `History` per prefix."""
+    return self.adjusts or self.stop_text
 
 
 @flax.struct.dataclass
@@ -58,6 +73,8 @@ class ProcessorSettings:
   fsm_accept: jax.Array  # bool[Q]
   fsm_start: jax.Array  # int32 scalar
   eos: jax.Array  # bool[V]: EOS ids, allowed only in accepting states
+  stop_next: jax.Array  # int32[S, V] stop-string automaton state after a token (stops.py)
+  stop_hit: jax.Array  # bool[S, V]: the token completes a stop string from that state
 
 
 @flax.struct.dataclass
@@ -69,6 +86,7 @@ class History:
   gen_counts: jax.Array | None  # int32[B, V] in generated tokens (presence/frequency)
   fsm: jax.Array | None  # int32[B] automaton state after the generated tokens
   seq: jax.Array | None  # int32[B, S] the tokens themselves (n-gram bans)
+  stop: jax.Array | None = None  # int32[B] stop-string automaton state after the new tokens
 
 
 def _count(tokens, mask, vocab):
@@ -86,8 +104,10 @@ def init_history(cfg: ProcessorConfig, settings: ProcessorSettings, tokens, n, p
   gen = (_count(tokens, (slot < n[:, None]) & (slot >= prompt_len[:, None]), vocab)
          if cfg.presence else None)
   fsm = jnp.broadcast_to(settings.fsm_start, n.shape) if cfg.constraint else None
+  # Stop strings match new text only: the automaton starts empty after the prompt.
+  stop = jnp.zeros(n.shape, jnp.int32) if cfg.stop_text else None
   return History(length=n, prompt_len=prompt_len, counts=counts, gen_counts=gen, fsm=fsm,
-                 seq=tokens if cfg.ngram else None)
+                 seq=tokens if cfg.ngram else None, stop=stop)
 
 
 def advance(cfg: ProcessorConfig, settings: ProcessorSettings, h: History, token) -> History:
@@ -99,7 +119,8 @@ def advance(cfg: ProcessorConfig, settings: ProcessorSettings, h: History, token
       gen_counts=None if h.gen_counts is None else h.gen_counts.at[rows, token].add(1),
       fsm=None if h.fsm is None else jnp.where(
           h.fsm == DEAD, DEAD, settings.fsm_next[jnp.maximum(h.fsm, 0), token]),
-      seq=None if h.seq is None else h.seq.at[rows, h.length].set(token, mode="drop"))
+      seq=None if h.seq is None else h.seq.at[rows, h.length].set(token, mode="drop"),
+      stop=None if h.stop is None else settings.stop_next[h.stop, token])
 
 
 def prefix_histories(cfg, settings, h: History, ys) -> History:
@@ -148,6 +169,16 @@ def terminal(settings: ProcessorSettings, fsm):
       settings.fsm_next[safe] == DEAD, axis=-1)
 
 
+def stop_string_hits(settings: ProcessorSettings, before: History, tokens):
+  """bool[B, T]: token j, appended to the prefix before[:, j], completes a stop string.
+
+  A stop string completed within the first `min_new_tokens` new tokens does not count,
+  as EOS is banned there.
+  """
+  hit = settings.stop_hit[before.stop, tokens]
+  return hit & (before.length - before.prompt_len >= settings.min_new[:, None])
+
+
 def _ngram_banned(seq, length, n_row, max_n):
   """bool[B, V]-ready mask: tokens that would complete an n-gram already in seq[:length].
 
@@ -166,7 +197,7 @@ def _ngram_banned(seq, length, n_row, max_n):
 
 def apply(cfg: ProcessorConfig, settings: ProcessorSettings, logits, h: History):
   """Processed raw logits [B, V] for the prefix `h` of each row."""
-  if not cfg.active:
+  if not cfg.adjusts:
     return logits
   logits = logits.astype(jnp.float32)
   rows = jnp.arange(logits.shape[0])[:, None]
@@ -179,10 +210,20 @@ def apply(cfg: ProcessorConfig, settings: ProcessorSettings, logits, h: History)
                        + settings.frequency_penalty[:, None] * h.gen_counts)
   if cfg.bias:
     logits = logits + settings.logit_bias
-  banned = jnp.zeros(logits.shape, bool)
+  banned = _banned(cfg, settings, h, logits.shape)
+  out = jnp.where(banned, -jnp.inf, logits)
+  # A prefix with nothing allowed (past a rejected draft, or where `nothing_allowed`
+  # stops the row) is never committed from: keep its logits finite rather than make NaNs.
+  return jnp.where(jnp.all(banned, axis=-1, keepdims=True), logits, out)
+
+
+def _banned(cfg: ProcessorConfig, settings: ProcessorSettings, h: History, shape):
+  """bool[B, V]: the tokens the bans (n-grams, min length, automaton) rule out."""
+  banned = jnp.zeros(shape, bool)
   if cfg.ngram:
+    rows = jnp.arange(shape[0])[:, None]
     hits = _ngram_banned(h.seq, h.length, settings.no_repeat_ngram, cfg.ngram)
-    banned = jnp.zeros(logits.shape, jnp.int32).at[rows, h.seq].max(hits.astype(jnp.int32)) > 0
+    banned = jnp.zeros(shape, jnp.int32).at[rows, h.seq].max(hits.astype(jnp.int32)) > 0
   if cfg.min_new:
     early = (h.length - h.prompt_len) < settings.min_new
     banned |= early[:, None] & settings.banned_early[None, :]
@@ -191,10 +232,15 @@ def apply(cfg: ProcessorConfig, settings: ProcessorSettings, logits, h: History)
     allowed = settings.fsm_next[safe] != DEAD
     allowed |= settings.eos[None, :] & settings.fsm_accept[safe][:, None]
     banned |= ~allowed
-  out = jnp.where(banned, -jnp.inf, logits)
-  # A prefix with nothing allowed (past a rejected draft, or a finished constrained row)
-  # is never committed from: keep its logits finite rather than make NaNs.
-  return jnp.where(jnp.all(banned, axis=-1, keepdims=True), logits, out)
+  return banned
+
+
+def nothing_allowed(cfg: ProcessorConfig, settings: ProcessorSettings, h: History):
+  """bool[B]: the bans together rule out every token after the prefix `h` (e.g. every
+  token is already in the text under no_repeat_ngram_size=1): the row ends there, as
+  no token follows the processed distribution."""
+  return jnp.all(_banned(cfg, settings, h, (h.length.shape[0], settings.eos.shape[0])),
+                 axis=-1)
 
 
 # ----------------------------------------------------------------------------
@@ -204,11 +250,12 @@ def apply(cfg: ProcessorConfig, settings: ProcessorSettings, logits, h: History)
 def settings_from_args(batch, vocab, max_new_tokens, stop_seqs, stop_lens, eos_ids, *,
                        repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
                        no_repeat_ngram_size=0, min_new_tokens=0, logit_bias=None,
-                       constraint=None):
+                       constraint=None, stop_table=None):
   """Checks every processor argument (ValueError naming it) and builds both halves.
 
   A processor whose value is neutral on every row (penalty 1, size 0, ...) is off: it
   costs nothing, and switching it on compiles once more.
+  `stop_table` is `stops.token_table(...)` for stop strings matched on the text, or None.
   """
   rep = checks.per_row("repetition_penalty", repetition_penalty, batch, "iuf").astype(np.float64)
   if not np.all(np.isfinite(rep) & (rep > 0)):
@@ -240,7 +287,7 @@ def settings_from_args(batch, vocab, max_new_tokens, stop_seqs, stop_lens, eos_i
       repetition=bool(np.any(rep != 1)), presence=bool(np.any((pres != 0) | (freq != 0))),
       ngram=checks.round_up(int(ngram.max()), 4) if np.any(ngram > 0) else 0,
       min_new=bool(np.any(min_new > 0)), bias=bias is not None,
-      constraint=constraint is not None)
+      constraint=constraint is not None, stop_text=stop_table is not None)
   early = np.zeros(vocab, bool)
   stop_seqs, stop_lens = np.asarray(stop_seqs), np.asarray(stop_lens)
   for k, length in enumerate(stop_lens):
@@ -258,7 +305,9 @@ def settings_from_args(batch, vocab, max_new_tokens, stop_seqs, stop_lens, eos_i
       banned_early=np.asarray(early),
       fsm_next=np.asarray(table.next if table else np.zeros((1, 1), np.int32)),
       fsm_accept=np.asarray(table.accept if table else np.zeros((1,), bool)),
-      fsm_start=np.asarray(table.start if table else 0, np.int32), eos=np.asarray(eos))
+      fsm_start=np.asarray(table.start if table else 0, np.int32), eos=np.asarray(eos),
+      stop_next=stop_table[0] if stop_table else np.zeros((1, 1), np.int32),
+      stop_hit=stop_table[1] if stop_table else np.zeros((1, 1), bool))
   return cfg, settings
 
 
