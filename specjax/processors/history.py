@@ -200,7 +200,6 @@ def apply(cfg: ProcessorConfig, settings: ProcessorSettings, logits, h: History)
   if not cfg.adjusts:
     return logits
   logits = logits.astype(jnp.float32)
-  rows = jnp.arange(logits.shape[0])[:, None]
   if cfg.repetition:
     penalty = settings.repetition_penalty[:, None]
     hit = jnp.where(logits > 0, logits / penalty, logits * penalty)
