@@ -265,6 +265,18 @@ def _per_node(sampling: Sampling, history, tokens, tree):
                                    tree.parents)
 
 
+def _first_blocked(banned, n_accepted, path, default):
+  """int32[B]: the first committed prefix (after 0..a tokens) where the processors ban
+  every token, else `default`, from the bans p was processed with ([B, prefixes, V]).
+  The prefix after the bonus token is the next round's prefix 0."""
+  blocked = jnp.all(banned, axis=-1)
+  if path is not None:  # per tree node: follow the accepted path (node i is at i + 1)
+    nodes = jnp.concatenate([jnp.zeros_like(path[:, :1]), path + 1], axis=1)  # -1 -> root
+    blocked = jnp.take_along_axis(blocked, nodes, axis=1)
+  blocked &= jnp.arange(blocked.shape[1])[None, :] <= n_accepted[:, None]
+  return jnp.where(jnp.any(blocked, axis=1), jnp.argmax(blocked, axis=1), default)
+
+
 def decode_round(engine: Engine, weights: Weights, state: DecodeState,
                  sampling: Sampling) -> DecodeState:
   """One draft + verify round for every row: a pure function of its inputs."""
@@ -293,13 +305,17 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
   adjusted = state.history if sampling.pcfg.adjusts else None
   prefixes = (_per_prefix(sampling, adjusted, ys) if tree is None
               else _per_node(sampling, adjusted, ys, tree))
+  banned = None
   if prefixes is None:
     ps = sampling.process(logits)
   else:
-    ps = jax.vmap(sampling.process, in_axes=(1, 1), out_axes=1)(logits, prefixes)
+    if sampling.pcfg.bans:  # kept: the commit ends a row at a prefix that bans everything
+      banned = jax.vmap(functools.partial(processors.banned, sampling.pcfg, sampling.procs),
+                        in_axes=1, out_axes=1)(prefixes)
+    ps = jax.vmap(sampling.process, in_axes=(1, 1, 1), out_axes=1)(logits, prefixes, banned)
   # 3. Verify rule, one row at a time.
   row_keys = jax.vmap(jax.random.fold_in, (None, 0))(verify_key, jnp.arange(ys.shape[0]))
-  siblings = None
+  siblings = path = None
   if tree is None:
     n_accepted, next_token, overlap = engine.rule(row_keys, ys, qs, ps)
     n_accepted, next_token = policy.settle(n_accepted, next_token, ps, lengths, verify_key)
@@ -321,11 +337,8 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
   if sampling.pcfg.stop_text:  # stop strings, matched on the text
     before = jax.tree_util.tree_map(lambda x: x[:, :-1], after)  # before each of `new`
     hits |= processors.stop_string_hits(sampling.procs, before, new)
-  if sampling.pcfg.bans:  # a prefix where every token is banned ends the row there
-    blocked = jax.vmap(functools.partial(processors.nothing_allowed, sampling.pcfg,
-                                         sampling.procs), in_axes=1, out_axes=1)(after)
-    room = jnp.minimum(room, jnp.where(jnp.any(blocked, axis=1), jnp.argmax(blocked, axis=1),
-                                       room))
+  if banned is not None:  # a prefix where every token is banned ends the row there
+    room = jnp.minimum(room, _first_blocked(banned, n_accepted, path, room))
   count, stop = commit_count(n_accepted, room, hits, state.done)
   tokens = kv_cache.write(state.tokens, new, state.n, count)
   n = state.n + count

@@ -195,8 +195,10 @@ def _ngram_banned(seq, length, n_row, max_n):
   return match & (length[:, None] >= n_row[:, None] - 1)
 
 
-def apply(cfg: ProcessorConfig, settings: ProcessorSettings, logits, h: History):
-  """Processed raw logits [B, V] for the prefix `h` of each row."""
+def apply(cfg: ProcessorConfig, settings: ProcessorSettings, logits, h: History,
+          ruled_out=None):
+  """Processed raw logits [B, V] for the prefix `h` of each row (`ruled_out`: its
+  `banned`, where the caller has it already)."""
   if not cfg.adjusts:
     return logits
   logits = logits.astype(jnp.float32)
@@ -209,10 +211,10 @@ def apply(cfg: ProcessorConfig, settings: ProcessorSettings, logits, h: History)
                        + settings.frequency_penalty[:, None] * h.gen_counts)
   if cfg.bias:
     logits = logits + settings.logit_bias
-  banned = _banned(cfg, settings, h, logits.shape)
+  banned = ruled_out if ruled_out is not None else _banned(cfg, settings, h, logits.shape)
   out = jnp.where(banned, -jnp.inf, logits)
-  # A prefix with nothing allowed (past a rejected draft, or where `nothing_allowed`
-  # stops the row) is never committed from: keep its logits finite rather than make NaNs.
+  # A prefix with nothing allowed (past a rejected draft, or where the round ends the row
+  # because of it) is never committed from: keep its logits finite rather than make NaNs.
   return jnp.where(jnp.all(banned, axis=-1, keepdims=True), logits, out)
 
 
@@ -234,12 +236,11 @@ def _banned(cfg: ProcessorConfig, settings: ProcessorSettings, h: History, shape
   return banned
 
 
-def nothing_allowed(cfg: ProcessorConfig, settings: ProcessorSettings, h: History):
-  """bool[B]: the bans together rule out every token after the prefix `h` (e.g. every
-  token is already in the text under no_repeat_ngram_size=1): the row ends there, as
-  no token follows the processed distribution."""
-  return jnp.all(_banned(cfg, settings, h, (h.length.shape[0], settings.eos.shape[0])),
-                 axis=-1)
+def banned(cfg: ProcessorConfig, settings: ProcessorSettings, h: History):
+  """bool[B, V]: the tokens the bans rule out after the prefix `h`. Where they rule out
+  every one (no_repeat_ngram_size=1 once every token is in the text) no token follows
+  the processed distribution, and the round ends the row there."""
+  return _banned(cfg, settings, h, (h.length.shape[0], settings.eos.shape[0]))
 
 
 # ----------------------------------------------------------------------------

@@ -73,16 +73,17 @@ class Sampling:
   def has_processors(self) -> bool:
     return self.pcfg.active
 
-  def adjust(self, logits: jax.Array, history=None) -> jax.Array:
-    """Raw logits [B, V] -> logits after the history-dependent processors."""
+  def adjust(self, logits: jax.Array, history=None, banned=None) -> jax.Array:
+    """Raw logits [B, V] -> logits after the history-dependent processors (`banned`:
+    `processors.banned` of `history`, where the caller has it already)."""
     if history is None or not self.pcfg.active:
       return logits
-    return processors.apply(self.pcfg, self.procs, logits, history)
+    return processors.apply(self.pcfg, self.procs, logits, history, banned)
 
-  def process(self, logits: jax.Array, history=None) -> jax.Array:
+  def process(self, logits: jax.Array, history=None, banned=None) -> jax.Array:
     """logits [B, ..., V] -> the distributions sampled from (processors need [B, V])."""
-    return process_logits(self.adjust(logits, history), self.temperature, self.top_k,
-                          self.top_p)
+    return process_logits(self.adjust(logits, history, banned), self.temperature,
+                          self.top_k, self.top_p)
 
   def advance(self, history, token):
     """The history after appending token int32[B] (None stays None)."""
