@@ -352,7 +352,8 @@ def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p
   # k >= vocab keeps everything; clipping first keeps huge k from wrapping in int32.
   top_k = np.minimum(top_k, target.config.vocab_size).astype(np.int32)
   stop_seqs, stop_lens, stop_strings = _stop_table(target, eos_id, stop_sequences)
-  stop_text = stops.tokenizer_table(target.tokenizer, stop_strings) if stop_strings else None
+  stop_text = (stops.tokenizer_table(target.tokenizer, stop_strings, target.config.vocab_size)
+               if stop_strings else None)
   pcfg, procs = processors.settings_from_args(
       batch, target.config.vocab_size, max_new_tokens, stop_seqs, stop_lens,
       _eos_ids(eos_id), repetition_penalty=repetition_penalty,

@@ -72,6 +72,15 @@ class TableTest(parameterized.TestCase):
   def test_decode_fallback_reads_the_pieces(self):
     self.assertEqual(stops.token_bytes(ToyTokenizer()), PIECES)
 
+  def test_ids_past_the_tokenizer_add_no_text(self):
+    # A model's embedding padded past its tokenizer (Qwen2): the table covers every id.
+    nxt, hit = stops.tokenizer_table(ToyTokenizer(), [b"ab"], vocab=20)
+    self.assertEqual(nxt.shape[1], 20)
+    a = nxt[0, 1]  # after "a"
+    self.assertTrue(hit[a, 2])  # "b" completes it
+    self.assertFalse(hit[a, 18])
+    self.assertEqual(nxt[a, 18], a)  # an empty token keeps the state
+
 
 def mid_strings(rows):
   """One two-byte string from the middle of each row's text."""

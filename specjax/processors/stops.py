@@ -80,13 +80,15 @@ def token_table(strings: list[bytes], token_bytes: list[bytes], bucket: int = 16
   return nxt, hits
 
 
-def tokenizer_table(tokenizer, strings: list[bytes]):
-  """`token_table(strings, token_bytes(tokenizer))`, the last 8 kept on the tokenizer
-  (a 150k vocabulary's table takes most of a second to build)."""
+def tokenizer_table(tokenizer, strings: list[bytes], vocab: int):
+  """`token_table` for the model's `vocab` ids: tokens past the tokenizer's (a model's
+  embedding padded beyond its tokenizer, as Qwen2's is) add no text. The last 8 tables
+  are kept on the tokenizer (a 150k vocabulary's takes most of a second to build)."""
   cache = _cache_on(tokenizer, "_specjax_stop_tables", collections.OrderedDict)
-  key = tuple(strings)
+  key = (tuple(strings), vocab)
   if cache is None or key not in cache:
-    table = token_table(list(strings), token_bytes(tokenizer))
+    pieces = (list(token_bytes(tokenizer)) + [b""] * vocab)[:vocab]
+    table = token_table(list(strings), pieces)
     if cache is None:
       return table
     cache[key] = table
