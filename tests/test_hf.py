@@ -356,6 +356,29 @@ def test_export_writes_tokenizer_and_import_attaches_it(tmp_path):
   assert loaded.tokenizer.eos_id == tokenizer.eos_id
 
 
+def test_stop_strings_stop_where_transformers_stops(tmp_path):
+  """The shipped target exported with its tokenizer: greedy output cut by text stop
+  strings (inside a token, spanning tokens, running past a token's end) as transformers'
+  `stop_strings` cut it."""
+  target = specjax.load_pretrained("stdlib-target")
+  hf.export_hf(target, tmp_path)
+  ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+  tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+  prompt = target.tokenizer.encode("def read_lines(path):\n   ")
+  stopped = 0
+  for stop in [None, " file obj", "\n\n", "le ob", "ject.", "bjec", "Return the file",
+               ". The"]:
+    ours = specjax.generate(target, [prompt], max_new_tokens=32,
+                            stop_sequences=None if stop is None else [stop]).tokens[0]
+    extra = {} if stop is None else dict(stop_strings=[stop], tokenizer=tok)
+    theirs = ref.generate(
+        torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        do_sample=False, max_new_tokens=32, pad_token_id=0, eos_token_id=None, **extra)
+    assert ours == theirs[0, len(prompt):].tolist(), stop
+    stopped += len(ours) < 32
+  assert stopped >= 5  # most of the strings do occur, and stop both
+
+
 # -- errors ------------------------------------------------------------------------
 
 
