@@ -19,7 +19,7 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 EOS_TOKEN = "<|endoftext|>"
-_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte fallback
+BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte fallback
 # Names end-of-text tokens go by in Hugging Face tokenizer files, in order of preference.
 _EOS_NAMES = (EOS_TOKEN, "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>", "<|eot_id|>")
 
@@ -129,7 +129,7 @@ class Tokenizer:
     byte_level = all(c in vocab for c in byte_of)
     out = [b""] * self.vocab_size
     for token, idx in vocab.items():
-      piece = _BYTE_PIECE.fullmatch(token)
+      piece = BYTE_PIECE.fullmatch(token)
       if token in special:
         out[idx] = token.encode("utf-8")
       elif byte_level and all(c in byte_of for c in token):

@@ -16,13 +16,12 @@ string ended inside its bytes. In a round the state is one more field of the pro
 from __future__ import annotations
 
 import collections
-import re
 
 import numpy as np
 
 from specjax import checks
+from specjax.models.tokenizer import BYTE_PIECE
 
-_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte fallback
 
 
 def byte_automaton(strings: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
@@ -126,7 +125,7 @@ def token_bytes(tokenizer) -> list[bytes]:
     out = []
     for t in range(tokenizer.vocab_size):
       text = tokenizer.decode([t])
-      byte = _BYTE_TOKEN.fullmatch(text)
+      byte = BYTE_PIECE.fullmatch(text)
       out.append(bytes([int(byte.group(1), 16)]) if byte else text.encode("utf-8"))
   if cache is not None:
     cache["bytes"] = out
