@@ -265,14 +265,21 @@ def _per_node(sampling: Sampling, history, tokens, tree):
                                    tree.parents)
 
 
-def _first_blocked(banned, n_accepted, path, default):
+def _before_each(path, width, batch):
+  """int32[B, width]: the round's prefix (the index into its per-prefix bans and
+  histories) before each committed candidate: j for a chain; for a tree, the accepted
+  path's nodes (node i is at i + 1, the root at 0, as is -1 past the path). Exact up to
+  the accepted count a, which is all the commit reads."""
+  if path is None:
+    return jnp.broadcast_to(jnp.arange(width)[None, :], (batch, width))
+  return jnp.concatenate([jnp.zeros_like(path[:, :1]), path + 1], axis=1)
+
+
+def _first_blocked(banned, n_accepted, before, default):
   """int32[B]: the first committed prefix (after 0..a tokens) where the processors ban
   every token, else `default`, from the bans p was processed with ([B, prefixes, V]).
   The prefix after the bonus token is the next round's prefix 0."""
-  blocked = jnp.all(banned, axis=-1)
-  if path is not None:  # per tree node: follow the accepted path (node i is at i + 1)
-    nodes = jnp.concatenate([jnp.zeros_like(path[:, :1]), path + 1], axis=1)  # -1 -> root
-    blocked = jnp.take_along_axis(blocked, nodes, axis=1)
+  blocked = jnp.take_along_axis(jnp.all(banned, axis=-1), before, axis=1)
   blocked &= jnp.arange(blocked.shape[1])[None, :] <= n_accepted[:, None]
   return jnp.where(jnp.any(blocked, axis=1), jnp.argmax(blocked, axis=1), default)
 
@@ -300,13 +307,12 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
       engine, weights.target, jnp.concatenate([pending, ys], axis=1), state.target_kv,
       lengths, state.done, narrow, **layout)
   # Position i is processed with the history of the committed prefix + y_1..y_{i-1};
-  # a tree node with the committed prefix + the tokens on its root-to-node path.
-  # (Stop strings alone change no logits: nothing to process per prefix.)
-  adjusted = state.history if sampling.pcfg.adjusts else None
-  prefixes = (_per_prefix(sampling, adjusted, ys) if tree is None
-              else _per_node(sampling, adjusted, ys, tree))
+  # a tree node with the committed prefix + the tokens on its root-to-node path. The
+  # commit reads the same histories. (Stop strings alone change no logits.)
+  prefixes = (_per_prefix(sampling, state.history, ys) if tree is None
+              else _per_node(sampling, state.history, ys, tree))
   banned = None
-  if prefixes is None:
+  if not sampling.pcfg.adjusts:
     ps = sampling.process(logits)
   else:
     if sampling.pcfg.bans:  # kept: the commit ends a row at a prefix that bans everything
@@ -331,20 +337,22 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
                    state.tokens.shape[1], new.shape[1] if tree is None else tree.num_nodes + 1)
   hits = stop_hits(state.tokens, state.n, state.prompt_len, new, sampling.stop_seqs,
                    sampling.stop_lens)
-  after = _per_prefix(sampling, state.history, new)  # [B, γ+2]: after 0..γ+1 of `new`
-  if sampling.pcfg.constraint:  # a finished constrained text stops like a stop sequence
-    hits |= processors.terminal(sampling.procs, after.fsm[:, 1:])
-  if sampling.pcfg.stop_text:  # stop strings, matched on the text
-    before = jax.tree_util.tree_map(lambda x: x[:, :-1], after)  # before each of `new`
-    hits |= processors.stop_string_hits(sampling.procs, before, new)
+  before = _before_each(path, new.shape[1], new.shape[0])  # the prefix before new[:, j]
+  if prefixes is not None:
+    light = processors.at(prefixes, before, counts=False)
+    if sampling.pcfg.constraint:  # a finished constrained text stops like a stop sequence
+      hits |= processors.terminal(sampling.procs,
+                                  processors.fsm_after(sampling.procs, light.fsm, new))
+    if sampling.pcfg.stop_text:  # stop strings, matched on the text
+      hits |= processors.stop_string_hits(sampling.procs, light, new)
   if banned is not None:  # a prefix where every token is banned ends the row there
-    room = jnp.minimum(room, _first_blocked(banned, n_accepted, path, room))
+    room = jnp.minimum(room, _first_blocked(banned, n_accepted, before, room))
   count, stop = commit_count(n_accepted, room, hits, state.done)
   tokens = kv_cache.write(state.tokens, new, state.n, count)
   n = state.n + count
   # 5. Rollback both caches (and the processors' history) to the committed history.
-  rows = jnp.arange(count.shape[0])
-  history = None if after is None else jax.tree_util.tree_map(lambda x: x[rows, count], after)
+  history = None if prefixes is None else processors.committed(
+      sampling.pcfg, sampling.procs, prefixes, before, new, count)
   if tree is None:
     draft_state = drafter.rollback(draft_state, n, features, state.n - 1)
   else:  # the accepted path's KV moves into contiguous slots; other branches are dropped

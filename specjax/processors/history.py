@@ -85,7 +85,7 @@ class History:
   counts: jax.Array | None  # int32[B, V] in prompt + generated (repetition penalty)
   gen_counts: jax.Array | None  # int32[B, V] in generated tokens (presence/frequency)
   fsm: jax.Array | None  # int32[B] automaton state after the generated tokens
-  seq: jax.Array | None  # int32[B, S] the tokens themselves (n-gram bans)
+  seq: jax.Array | None  # int32[B, S] the tokens themselves (n-gram bans; past `length`: unused)
   stop: jax.Array | None = None  # int32[B] stop-string automaton state after the new tokens
 
 
@@ -117,22 +117,46 @@ def advance(cfg: ProcessorConfig, settings: ProcessorSettings, h: History, token
       length=h.length + 1,
       counts=None if h.counts is None else h.counts.at[rows, token].add(1),
       gen_counts=None if h.gen_counts is None else h.gen_counts.at[rows, token].add(1),
-      fsm=None if h.fsm is None else jnp.where(
-          h.fsm == DEAD, DEAD, settings.fsm_next[jnp.maximum(h.fsm, 0), token]),
+      fsm=None if h.fsm is None else fsm_after(settings, h.fsm, token),
       seq=None if h.seq is None else h.seq.at[rows, h.length].set(token, mode="drop"),
       stop=None if h.stop is None else settings.stop_next[h.stop, token])
 
 
 def prefix_histories(cfg, settings, h: History, ys) -> History:
-  """Histories of the prefixes h + ys[:, :i] for i = 0..T, stacked on axis 1: [B, T+1, ...]."""
-  def step(h, y):
-    nxt = advance(cfg, settings, h, y)
-    return nxt, nxt
+  """Histories of the prefixes h + ys[:, :i] for i = 0..T, stacked on axis 1: [B, T+1, ...].
 
-  _, later = jax.lax.scan(step, h, ys.T)
-  stack = lambda first, rest: jnp.concatenate([first[None], rest], axis=0)
-  out = jax.tree_util.tree_map(stack, h, later)  # [T+1, B, ...]
-  return jax.tree_util.tree_map(lambda x: jnp.moveaxis(x, 0, 1), out)
+  In closed form rather than T `advance`s in a scan, whose stacked [T, B, V] counts XLA:CPU
+  zeroed, copied and transposed every round: the counts add a masked one-hot sum, the
+  automata step T times on one state per row, and the prefixes share one token sequence
+  holding all of ys (a history reads `seq` below its length only).
+  """
+  batch, t = ys.shape
+  upto = jnp.arange(t)[None, :] < jnp.arange(t + 1)[:, None]  # [T+1, T]: y_j in prefix i
+
+  def counts(base):
+    hot = ys[:, :, None] == jnp.arange(base.shape[-1])[None, None, :]  # [B, T, V]
+    added = jnp.sum(upto[None, :, :, None] & hot[:, None], axis=2, dtype=jnp.int32)
+    return base[:, None] + added
+
+  def walk(state, step):
+    out = [state]
+    for j in range(t):
+      out.append(step(out[-1], ys[:, j]))
+    return jnp.stack(out, axis=1)
+
+  def seq(s):
+    rows = jnp.arange(batch)[:, None]
+    full = s.at[rows, h.length[:, None] + jnp.arange(t)[None, :]].set(ys, mode="drop")
+    return jnp.broadcast_to(full[:, None], (batch, t + 1) + s.shape[1:])
+
+  return History(
+      length=h.length[:, None] + jnp.arange(t + 1)[None, :],
+      prompt_len=jnp.broadcast_to(h.prompt_len[:, None], (batch, t + 1)),
+      counts=None if h.counts is None else counts(h.counts),
+      gen_counts=None if h.gen_counts is None else counts(h.gen_counts),
+      fsm=None if h.fsm is None else walk(h.fsm, lambda f, y: fsm_after(settings, f, y)),
+      seq=None if h.seq is None else seq(h.seq),
+      stop=None if h.stop is None else walk(h.stop, lambda s, y: settings.stop_next[s, y]))
 
 
 def advance_each(cfg, settings, h: History, tokens) -> History:
@@ -160,6 +184,35 @@ def tree_histories(cfg, settings, h: History, tokens, parents) -> History:
                          tokens[:, nodes[0]:nodes[-1] + 1])
     out = jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a, b], axis=1), out, level)
   return out
+
+
+def fsm_after(settings: ProcessorSettings, fsm, token):
+  """The automaton's state after `token` (any shape, like `fsm`); DEAD stays DEAD."""
+  return jnp.where(fsm == DEAD, DEAD, settings.fsm_next[jnp.maximum(fsm, 0), token])
+
+
+def at(h: History, index, counts=True) -> History:
+  """Entries of stacked histories ([B, P, ...]): h[b, index[b]] for index int32[B], or
+  [B, W] for several each. counts=False leaves out the [V]- and [S]-sized fields (counts,
+  seq), which the commit's stop checks do not read."""
+  rows = jnp.arange(index.shape[0]).reshape((-1,) + (1,) * (index.ndim - 1))
+  pick = lambda x: None if x is None else x[rows, index]
+  big = pick if counts else (lambda x: None)
+  return History(length=pick(h.length), prompt_len=pick(h.prompt_len), counts=big(h.counts),
+                 gen_counts=big(h.gen_counts), fsm=pick(h.fsm), seq=big(h.seq),
+                 stop=pick(h.stop))
+
+
+def committed(cfg, settings, prefixes: History, before, tokens, count) -> History:
+  """The history after the first count[b] of tokens[b] ([B, W]). `prefixes` are the
+  round's per-prefix histories ([B, P, ...], index 0 the committed prefix) and
+  before[b, j] the one before tokens[b, j]. One `advance`, not W."""
+  rows = jnp.arange(count.shape[0])
+  last = jnp.maximum(count - 1, 0)
+  after = advance(cfg, settings, at(prefixes, before[rows, last]), tokens[rows, last])
+  start = at(prefixes, jnp.zeros_like(count))
+  same = lambda a, b: jnp.where((count > 0).reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
+  return jax.tree_util.tree_map(same, after, start)
 
 
 def terminal(settings: ProcessorSettings, fsm):
