@@ -9,12 +9,16 @@ from the committed history for every draft position) must not.
 import itertools
 import re
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from absl.testing import parameterized
 
 import specjax
 from specjax.processors import constraints
+from specjax.processors import history as hist
+from specjax.processors import stops
 from specjax import decode as decode_lib
 from conftest import LAW_ROWS, decode_traces, target_and_draft, tiny_model, within_law
 
@@ -254,3 +258,76 @@ class BadInputTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "no token sequence can match"):
       constraints.TokenAutomaton(next=np.full((2, 4), constraints.DEAD),
                                  accept=np.array([False, True]))
+
+
+class HistoryTest(parameterized.TestCase):
+  """The round's per-prefix histories (closed form) and the commit's one-`advance`
+  update equal advancing the history one token at a time."""
+
+  def setUp(self):
+    super().setUp()
+    rng = np.random.default_rng(0)
+    self.hist, batch, self.size = hist, 3, 16
+    pieces = [b"a", b"b", b"ab", b"ba", b"c", b"", b"bb", b"ca"]
+    fsm = constraints.TokenAutomaton(
+        next=np.where(rng.random((4, VOCAB)) < 0.3, constraints.DEAD,
+                      rng.integers(0, 4, (4, VOCAB))).astype(np.int32),
+        accept=np.array([True, False, True, False]))
+    self.cfg, self.settings = hist.settings_from_args(
+        batch, VOCAB, 20, np.zeros((1, 1), np.int32), np.zeros(1, np.int32), [EOS],
+        repetition_penalty=1.2, presence_penalty=0.5, no_repeat_ngram_size=2,
+        min_new_tokens=2, constraint=fsm,
+        stop_table=stops.token_table([b"abc", b"bb"], pieces))
+    self.settings = jax.device_put(self.settings)
+    self.assertTrue(self.cfg.repetition and self.cfg.presence and self.cfg.ngram
+                    and self.cfg.constraint and self.cfg.stop_text)
+    tokens = rng.integers(0, VOCAB, (batch, self.size)).astype(np.int32)
+    self.prompt_len = np.array([3, 5, 2], np.int32)
+    h = hist.init_history(self.cfg, self.settings, jnp.asarray(tokens), self.prompt_len, self.prompt_len,
+                          VOCAB)
+    for y in rng.integers(0, VOCAB, (2, batch)):  # some generated tokens already
+      h = hist.advance(self.cfg, self.settings, h, y.astype(np.int32))
+    self.h0, self.ys = h, rng.integers(0, VOCAB, (batch, 4)).astype(np.int32)
+
+  def assert_same(self, got, want):
+    """Field by field; `seq` only below the history's length (the rest is unused)."""
+    for name in ("length", "prompt_len", "counts", "gen_counts", "fsm", "stop"):
+      np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+    keep = np.arange(self.size)[None, :] < np.asarray(want.length)[:, None]
+    np.testing.assert_array_equal(np.where(keep, got.seq, 0), np.where(keep, want.seq, 0))
+
+  def sequential(self, tokens):
+    out, h = [self.h0], self.h0
+    for j in range(tokens.shape[1]):
+      h = self.hist.advance(self.cfg, self.settings, h, tokens[:, j])
+      out.append(h)
+    return out
+
+  def test_prefix_histories_equal_one_token_at_a_time(self):
+    hist, pick = self.hist, lambda h, i: self.hist.at(h, np.full(3, i, np.int32))
+    stacked = hist.prefix_histories(self.cfg, self.settings, self.h0, self.ys)
+    chain = hist.tree_histories(self.cfg, self.settings, self.h0, self.ys, (-1, 0, 1, 2))
+    for i, want in enumerate(self.sequential(self.ys)):
+      self.assert_same(pick(stacked, i), want)
+      self.assert_same(pick(chain, i), want)
+
+  def test_committed_equals_advancing_over_the_committed_tokens(self):
+    # Row b accepted a[b] drafts; new holds them, a correction at a[b], then junk.
+    a = np.array([0, 2, 4])
+    new = np.where(np.arange(5)[None, :] < a[:, None], np.pad(self.ys, ((0, 0), (0, 1))),
+                   (np.pad(self.ys, ((0, 0), (0, 1))) + 3) % VOCAB).astype(np.int32)
+    prefixes = self.hist.prefix_histories(self.cfg, self.settings, self.h0, self.ys)
+    before = np.broadcast_to(np.arange(5), (3, 5)).astype(np.int32)
+    after = self.sequential(new)
+    for count in itertools.product(*[range(k + 2) for k in a]):
+      count = np.array(count, np.int32)
+      got = self.hist.committed(self.cfg, self.settings, prefixes, before, new, count)
+      for b in range(3):
+        want = self.hist.at(self.stack(after), np.full(3, count[b], np.int32))
+        row = lambda h: self.hist.History(**{f: None if getattr(h, f) is None else
+                                             np.asarray(getattr(h, f))[b:b + 1]
+                                             for f in h.__dataclass_fields__})
+        self.assert_same(row(got), row(want))
+
+  def stack(self, hs):
+    return jax.tree_util.tree_map(lambda *x: np.stack(x, axis=1), *hs)
