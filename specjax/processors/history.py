@@ -126,23 +126,21 @@ def prefix_histories(cfg, settings, h: History, ys) -> History:
   """Histories of the prefixes h + ys[:, :i] for i = 0..T, stacked on axis 1: [B, T+1, ...].
 
   In closed form rather than T `advance`s in a scan, whose stacked [T, B, V] counts XLA:CPU
-  zeroed, copied and transposed every round: the counts add a masked one-hot sum, the
-  automata step T times on one state per row, and the prefixes share one token sequence
-  holding all of ys (a history reads `seq` below its length only).
+  zeroed, copied and transposed every round: the counts add a one-hot per token and the
+  automata take a gather per token, unrolled (T is small and static), and the prefixes
+  share one token sequence holding all of ys (a history reads `seq` below its length
+  only).
   """
   batch, t = ys.shape
-  upto = jnp.arange(t)[None, :] < jnp.arange(t + 1)[:, None]  # [T+1, T]: y_j in prefix i
-
-  def counts(base):
-    hot = ys[:, :, None] == jnp.arange(base.shape[-1])[None, None, :]  # [B, T, V]
-    added = jnp.sum(upto[None, :, :, None] & hot[:, None], axis=2, dtype=jnp.int32)
-    return base[:, None] + added
 
   def walk(state, step):
     out = [state]
     for j in range(t):
       out.append(step(out[-1], ys[:, j]))
     return jnp.stack(out, axis=1)
+
+  def counts(base):  # a one-hot add per token: XLA fuses the walk into one pass
+    return walk(base, lambda c, y: c + (y[:, None] == jnp.arange(c.shape[-1])[None, :]))
 
   def seq(s):
     rows = jnp.arange(batch)[:, None]
