@@ -265,13 +265,13 @@ def _per_node(sampling: Sampling, history, tokens, tree):
                                    tree.parents)
 
 
-def _before_each(path, width, batch):
-  """int32[B, width]: the round's prefix (the index into its per-prefix bans and
-  histories) before each committed candidate: j for a chain; for a tree, the accepted
-  path's nodes (node i is at i + 1, the root at 0, as is -1 past the path). Exact up to
-  the accepted count a, which is all the commit reads."""
+def _before_each(path):
+  """int32[B, γ+1]: for a tree, the round's prefix (the index into its per-node bans and
+  histories) before each committed candidate: the accepted path's nodes (node i is at
+  i + 1, the root at 0, as is -1 past the path), exact up to the accepted count a, which
+  is all the commit reads. None for a chain, whose candidate j follows prefix j."""
   if path is None:
-    return jnp.broadcast_to(jnp.arange(width)[None, :], (batch, width))
+    return None
   return jnp.concatenate([jnp.zeros_like(path[:, :1]), path + 1], axis=1)
 
 
@@ -279,7 +279,9 @@ def _first_blocked(banned, n_accepted, before, default):
   """int32[B]: the first committed prefix (after 0..a tokens) where the processors ban
   every token, else `default`, from the bans p was processed with ([B, prefixes, V]).
   The prefix after the bonus token is the next round's prefix 0."""
-  blocked = jnp.take_along_axis(jnp.all(banned, axis=-1), before, axis=1)
+  blocked = jnp.all(banned, axis=-1)
+  if before is not None:
+    blocked = jnp.take_along_axis(blocked, before, axis=1)
   blocked &= jnp.arange(blocked.shape[1])[None, :] <= n_accepted[:, None]
   return jnp.where(jnp.any(blocked, axis=1), jnp.argmax(blocked, axis=1), default)
 
@@ -337,9 +339,9 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
                    state.tokens.shape[1], new.shape[1] if tree is None else tree.num_nodes + 1)
   hits = stop_hits(state.tokens, state.n, state.prompt_len, new, sampling.stop_seqs,
                    sampling.stop_lens)
-  before = _before_each(path, new.shape[1], new.shape[0])  # the prefix before new[:, j]
+  before = _before_each(path)  # the prefix before new[:, j] (None: j)
   if prefixes is not None:
-    light = processors.at(prefixes, before, counts=False)
+    light = prefixes if before is None else processors.at(prefixes, before, counts=False)
     if sampling.pcfg.constraint:  # a finished constrained text stops like a stop sequence
       hits |= processors.terminal(sampling.procs,
                                   processors.fsm_after(sampling.procs, light.fsm, new))

@@ -317,9 +317,11 @@ class HistoryTest(parameterized.TestCase):
     new = np.where(np.arange(5)[None, :] < a[:, None], np.pad(self.ys, ((0, 0), (0, 1))),
                    (np.pad(self.ys, ((0, 0), (0, 1))) + 3) % VOCAB).astype(np.int32)
     prefixes = self.hist.prefix_histories(self.cfg, self.settings, self.h0, self.ys)
-    before = np.broadcast_to(np.arange(5), (3, 5)).astype(np.int32)
     after = self.sequential(new)
-    for count in itertools.product(*[range(k + 2) for k in a]):
+    # None: a chain's candidate j follows prefix j; a tree passes those indices itself.
+    for before, count in itertools.product(
+        (None, np.broadcast_to(np.arange(5), (3, 5)).astype(np.int32)),
+        itertools.product(*[range(k + 2) for k in a])):
       count = np.array(count, np.int32)
       got = self.hist.committed(self.cfg, self.settings, prefixes, before, new, count)
       for b in range(3):

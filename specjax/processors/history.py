@@ -204,10 +204,11 @@ def at(h: History, index, counts=True) -> History:
 def committed(cfg, settings, prefixes: History, before, tokens, count) -> History:
   """The history after the first count[b] of tokens[b] ([B, W]). `prefixes` are the
   round's per-prefix histories ([B, P, ...], index 0 the committed prefix) and
-  before[b, j] the one before tokens[b, j]. One `advance`, not W."""
+  before[b, j] the one before tokens[b, j] (None: j, a chain's). One `advance`, not W."""
   rows = jnp.arange(count.shape[0])
   last = jnp.maximum(count - 1, 0)
-  after = advance(cfg, settings, at(prefixes, before[rows, last]), tokens[rows, last])
+  node = last if before is None else before[rows, last]
+  after = advance(cfg, settings, at(prefixes, node), tokens[rows, last])
   start = at(prefixes, jnp.zeros_like(count))
   same = lambda a, b: jnp.where((count > 0).reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
   return jax.tree_util.tree_map(same, after, start)
