@@ -261,30 +261,29 @@ class BadInputTest(parameterized.TestCase):
 
 
 class HistoryTest(parameterized.TestCase):
-  """The round's per-prefix histories (closed form) and the commit's one-`advance`
-  update equal advancing the history one token at a time."""
+  """The round's per-prefix histories (unrolled) and the commit's one-`advance` update
+  equal advancing the history one token at a time."""
 
   def setUp(self):
     super().setUp()
     rng = np.random.default_rng(0)
-    self.hist, batch, self.size = hist, 3, 16
+    batch, self.size = 3, 16
     pieces = [b"a", b"b", b"ab", b"ba", b"c", b"", b"bb", b"ca"]
     fsm = constraints.TokenAutomaton(
         next=np.where(rng.random((4, VOCAB)) < 0.3, constraints.DEAD,
                       rng.integers(0, 4, (4, VOCAB))).astype(np.int32),
         accept=np.array([True, False, True, False]))
-    self.cfg, self.settings = hist.settings_from_args(
+    self.cfg, settings = hist.settings_from_args(
         batch, VOCAB, 20, np.zeros((1, 1), np.int32), np.zeros(1, np.int32), [EOS],
         repetition_penalty=1.2, presence_penalty=0.5, no_repeat_ngram_size=2,
         min_new_tokens=2, constraint=fsm,
         stop_table=stops.token_table([b"abc", b"bb"], pieces))
-    self.settings = jax.device_put(self.settings)
+    self.settings = jax.device_put(settings)
     self.assertTrue(self.cfg.repetition and self.cfg.presence and self.cfg.ngram
                     and self.cfg.constraint and self.cfg.stop_text)
-    tokens = rng.integers(0, VOCAB, (batch, self.size)).astype(np.int32)
-    self.prompt_len = np.array([3, 5, 2], np.int32)
-    h = hist.init_history(self.cfg, self.settings, jnp.asarray(tokens), self.prompt_len, self.prompt_len,
-                          VOCAB)
+    tokens = jnp.asarray(rng.integers(0, VOCAB, (batch, self.size)), jnp.int32)
+    prompt_len = jnp.array([3, 5, 2], jnp.int32)
+    h = hist.init_history(self.cfg, self.settings, tokens, prompt_len, prompt_len, VOCAB)
     for y in rng.integers(0, VOCAB, (2, batch)):  # some generated tokens already
       h = hist.advance(self.cfg, self.settings, h, y.astype(np.int32))
     self.h0, self.ys = h, rng.integers(0, VOCAB, (batch, 4)).astype(np.int32)
@@ -297,39 +296,33 @@ class HistoryTest(parameterized.TestCase):
     np.testing.assert_array_equal(np.where(keep, got.seq, 0), np.where(keep, want.seq, 0))
 
   def sequential(self, tokens):
-    out, h = [self.h0], self.h0
+    """The histories after 0..W of tokens [B, W], one `advance` at a time, [B, W+1, ...]."""
+    out = [self.h0]
     for j in range(tokens.shape[1]):
-      h = self.hist.advance(self.cfg, self.settings, h, tokens[:, j])
-      out.append(h)
-    return out
+      out.append(hist.advance(self.cfg, self.settings, out[-1], tokens[:, j]))
+    return jax.tree_util.tree_map(lambda *x: jnp.stack(x, axis=1), *out)
 
   def test_prefix_histories_equal_one_token_at_a_time(self):
-    hist, pick = self.hist, lambda h, i: self.hist.at(h, np.full(3, i, np.int32))
     stacked = hist.prefix_histories(self.cfg, self.settings, self.h0, self.ys)
     chain = hist.tree_histories(self.cfg, self.settings, self.h0, self.ys, (-1, 0, 1, 2))
-    for i, want in enumerate(self.sequential(self.ys)):
-      self.assert_same(pick(stacked, i), want)
-      self.assert_same(pick(chain, i), want)
+    want = self.sequential(self.ys)
+    for i in range(self.ys.shape[1] + 1):
+      at_i = lambda h: hist.at(h, np.full(3, i, np.int32))
+      self.assert_same(at_i(stacked), at_i(want))
+      self.assert_same(at_i(chain), at_i(want))
 
   def test_committed_equals_advancing_over_the_committed_tokens(self):
     # Row b accepted a[b] drafts; new holds them, a correction at a[b], then junk.
     a = np.array([0, 2, 4])
-    new = np.where(np.arange(5)[None, :] < a[:, None], np.pad(self.ys, ((0, 0), (0, 1))),
-                   (np.pad(self.ys, ((0, 0), (0, 1))) + 3) % VOCAB).astype(np.int32)
-    prefixes = self.hist.prefix_histories(self.cfg, self.settings, self.h0, self.ys)
+    padded = np.pad(self.ys, ((0, 0), (0, 1)))
+    new = np.where(np.arange(5)[None, :] < a[:, None], padded,
+                   (padded + 3) % VOCAB).astype(np.int32)
+    prefixes = hist.prefix_histories(self.cfg, self.settings, self.h0, self.ys)
     after = self.sequential(new)
     # None: a chain's candidate j follows prefix j; a tree passes those indices itself.
     for before, count in itertools.product(
         (None, np.broadcast_to(np.arange(5), (3, 5)).astype(np.int32)),
         itertools.product(*[range(k + 2) for k in a])):
       count = np.array(count, np.int32)
-      got = self.hist.committed(self.cfg, self.settings, prefixes, before, new, count)
-      for b in range(3):
-        want = self.hist.at(self.stack(after), np.full(3, count[b], np.int32))
-        row = lambda h: self.hist.History(**{f: None if getattr(h, f) is None else
-                                             np.asarray(getattr(h, f))[b:b + 1]
-                                             for f in h.__dataclass_fields__})
-        self.assert_same(row(got), row(want))
-
-  def stack(self, hs):
-    return jax.tree_util.tree_map(lambda *x: np.stack(x, axis=1), *hs)
+      got = hist.committed(self.cfg, self.settings, prefixes, before, new, count)
+      self.assert_same(got, hist.at(after, count))  # row b: after count[b] tokens

@@ -125,11 +125,10 @@ def advance(cfg: ProcessorConfig, settings: ProcessorSettings, h: History, token
 def prefix_histories(cfg, settings, h: History, ys) -> History:
   """Histories of the prefixes h + ys[:, :i] for i = 0..T, stacked on axis 1: [B, T+1, ...].
 
-  In closed form rather than T `advance`s in a scan, whose stacked [T, B, V] counts XLA:CPU
-  zeroed, copied and transposed every round: the counts add a one-hot per token and the
-  automata take a gather per token, unrolled (T is small and static), and the prefixes
-  share one token sequence holding all of ys (a history reads `seq` below its length
-  only).
+  Unrolled over the static T rather than a scan of T `advance`s, whose stacked [T, B, V]
+  counts XLA:CPU zeroed, copied and transposed every round: the counts add a one-hot per
+  token, the automata take a gather per token, and the prefixes share one token sequence
+  holding all of ys (a history reads `seq` below its length only).
   """
   batch, t = ys.shape
 
@@ -139,7 +138,7 @@ def prefix_histories(cfg, settings, h: History, ys) -> History:
       out.append(step(out[-1], ys[:, j]))
     return jnp.stack(out, axis=1)
 
-  def counts(base):  # a one-hot add per token: XLA fuses the walk into one pass
+  def counts(base):  # a one-hot add per token: XLA fuses the walk into one loop
     return walk(base, lambda c, y: c + (y[:, None] == jnp.arange(c.shape[-1])[None, :]))
 
   def seq(s):
@@ -169,7 +168,7 @@ def tree_histories(cfg, settings, h: History, tokens, parents) -> History:
 
   `parents` (static, -1 = the root) lists the nodes depth by depth with parents first, so
   each depth is one `advance_each` of its parents' histories by its own tokens. A chain
-  (parents = (-1, 0, 1, ...)) gives `prefix_histories`.
+  (parents = (-1, 0, 1, ...)) gives `prefix_histories` (up to `seq` past each length).
   """
   depths = []
   for p in parents:
@@ -276,8 +275,8 @@ def _banned(cfg: ProcessorConfig, settings: ProcessorSettings, h: History, shape
   if cfg.ngram:
     rows = jnp.arange(shape[0])[:, None]
     hits = _ngram_banned(h.seq, h.length, settings.no_repeat_ngram, cfg.ngram)
-    # True set where a position hits, the rest dropped (index V): on XLA:CPU ~4% of a
-    # processed round cheaper than an int32 max over every position.
+    # True set where a position hits, the rest dropped (index V): a processed round took
+    # 0.95-0.97x the time of one with an int32 max over every position (XLA:CPU).
     banned = jnp.zeros(shape, bool).at[rows, jnp.where(hits, h.seq, shape[1])].set(
         True, mode="drop")
   if cfg.min_new:
