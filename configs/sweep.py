@@ -13,7 +13,7 @@ docs/HF.md for memory, gated repositories and local copies).
 
 import ml_collections
 
-# Public target/draft pairs by hub id (or --config.target=DIR --config.draft=DIR).
+# Public target/draft pairs by hub id (or a variant and --config.target=DIR --config.draft=DIR).
 HUB_PAIRS = {
     "llama3": ("meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.2-1B"),  # 128256 rows each
     "qwen3": ("Qwen/Qwen3-8B", "Qwen/Qwen3-0.6B"),  # 151936 rows each

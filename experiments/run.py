@@ -201,8 +201,14 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
   else:
     needs_draft = "model" in cfg.drafter or _tree_drafter(cfg) == "model"
     target, draft = common.load_pair(cfg.target, cfg.draft if needs_draft else None)
-  for head in heads.values():
-    head.check_target(target)  # a head trained on another target: stop before timing
+  for kind, head in heads.items():  # a head trained on another target: stop before timing
+    try:
+      head.check_target(target)
+    except ValueError as e:
+      raise ValueError(f"{e}. The sweep's drafters include {kind!r} with "
+                       f"{kind}_head={cfg[f'{kind}_head']!r}: name a head trained on "
+                       f"{cfg.target!r} (--config.{kind}_head=DIR) or leave {kind!r} out "
+                       f"of --config.drafter") from None
   if prompts is None:
     if target.tokenizer is None:
       raise ValueError(f"target {cfg.target!r} has no tokenizer: prompts come from text")

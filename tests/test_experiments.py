@@ -145,6 +145,16 @@ def test_points_no_run_could_take_fail_before_any_timing(tmp_path, changes, mess
   assert not (tmp_path / "config.json").exists()
 
 
+def test_a_head_for_another_target_fails_with_the_way_out(tmp_path):
+  cfg = sweep_config.get_config("smoke")
+  cfg.drafter = ("ngram", "eagle")  # stdlib-eagle, trained on stdlib-target
+  target = tiny_model(vocab=16, n_layers=2, seed=3)
+  with pytest.raises(ValueError, match=r"d_model.*leave 'eagle' out of --config.drafter"):
+    run_lib.run_sweep(cfg, tmp_path, progress=False, models=(target, None),
+                      prompts=[[1, 2, 3]])
+  assert not (tmp_path / "results.jsonl").exists()
+
+
 def test_unknown_variant():
   with pytest.raises(ValueError, match="variant"):
     sweep_config.get_config("huge")
