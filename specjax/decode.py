@@ -4,8 +4,9 @@ One round (γ ≥ 0; γ = 0 is plain autoregressive decoding), numbered as in
 docs/ARCHITECTURE.md:
   1. draft: the drafter proposes y_1..y_γ with their distributions q (inside the jit);
   2. verify pass: the target scores [x_{n-1}, y_1..y_γ] in one cached pass -> p_1..p_{γ+1};
-  3. verify rule: `verify_batch` (vmapped over rows) accepts a prefix and draws the
-     correction/bonus token;
+  3. verify rule: `engine.rule` (for a chain; `policy.settle` then applies the row's
+     draft length) or `trees.walk_batch` (for a tree) accepts a prefix per row and draws
+     the correction/bonus token;
   4. commit: the accepted prefix plus that token, cut by the budget, the context limit
      and stop sequences;
   5. rollback: both caches return to the committed history; the token just committed

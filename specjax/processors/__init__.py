@@ -4,6 +4,8 @@
   history.py      history-dependent processors (penalties, n-gram bans, min length, logit
                   bias, an automaton), evaluated per candidate prefix
   constraints.py  token automata for constrained output (`regex`)
+  stops.py        stop strings: a byte-level Aho–Corasick automaton lifted to the
+                  vocabulary, matched on the text however the tokens split it
 
 The same processing is applied to the target's p and the draft's q, so the verify rule
 compares the distributions actually sampled from.
