@@ -211,7 +211,9 @@ def propose_timer(drafter, draft_params, batch: int, vocab_size: int, context: i
   if heads:  # random features: the cost does not depend on their values
     d = drafter.config.target.d_model
     feats = jax.random.normal(jax.random.PRNGKey(2), (batch, context, d), jnp.float32)
-    verify_feats = feats[:, :drafter.gamma + 1]
+    # Drawn apart: a context shorter than γ + 1 (a short prompt) would cut a slice short.
+    verify_feats = jax.random.normal(jax.random.PRNGKey(3), (batch, drafter.gamma + 1, d),
+                                     jnp.float32)
     state = drafter.prefill(draft_params, state, tokens, n, feats)
   else:
     state = drafter.prefill(draft_params, state, tokens, n)

@@ -352,6 +352,17 @@ def test_greedy_speculation_with_a_head_equals_target_greedy(target, kind):
   assert int(state.target_calls) <= 12 and np.all(np.asarray(state.stats.committed) == 12)
 
 
+def test_ledger_measures_a_head_at_a_prompt_shorter_than_a_pass(target):
+  # The ledger times the head's proposals at the prompt's length; a pass's γ + 1
+  # features must not be cut to it (a 1-token prompt, γ = 4).
+  import specjax
+  head, prompts = random_head(target, "eagle"), [[int(TOKENS[0, 0])]]
+  expected = specjax.generate(target, prompts, max_new_tokens=6).tokens
+  out = specjax.generate(target, prompts, max_new_tokens=6, draft=head, gamma=4,
+                         gamma_policy="ledger")
+  assert out.tokens == expected
+
+
 @pytest.mark.parametrize("name", ["stdlib-eagle", "stdlib-medusa"])
 def test_shipped_head_reproduces_its_card(name):
   import sys
