@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import warnings
 from typing import Any
 
 import flax.struct
@@ -501,3 +502,45 @@ def decode(engine: Engine, prompt_width: int, cache_size: int, weights: Weights,
                     sampling)
     return run_loop(engine, weights, sharding.constrain(engine, state), sampling,
                     jnp.asarray(max_rounds, jnp.int32))
+
+
+# XLA:CPU keeps each compiled program's code in its own memory mappings: ~500-600 for a
+# `decode` program of the shipped pair. A process holding ~100 of them reaches Linux's
+# vm.max_map_count (65,530 by default), and LLVM then aborts the process at the next
+# compile ("Cannot allocate memory"). Past this share of the limit every compiled program
+# is dropped, and the next call compiles again.
+MAP_LIMIT_SHARE = 0.6
+_programs_checked = -1
+
+
+def memory_maps() -> tuple[int, int] | None:
+  """(mappings this process holds, vm.max_map_count), or None where /proc has neither."""
+  try:
+    with open("/proc/self/maps", "rb") as f:
+      used = f.read().count(b"\n")
+    with open("/proc/sys/vm/max_map_count") as f:
+      return used, int(f.read())
+  except (OSError, ValueError):
+    return None
+
+
+def release_near_map_limit() -> bool:
+  """Drops every compiled program (`jax.clear_caches`) when the process's memory mappings
+  have passed `MAP_LIMIT_SHARE` of the limit; returns whether it did. Reads /proc (~1 ms)
+  only when `decode` has compiled since the last check, so a call that reuses its
+  program pays nothing."""
+  global _programs_checked
+  compiled = decode._cache_size()
+  if compiled == _programs_checked:
+    return False
+  _programs_checked = compiled
+  maps = memory_maps()
+  if maps is None or maps[0] < MAP_LIMIT_SHARE * maps[1]:
+    return False
+  warnings.warn(f"specjax: {maps[0]} memory mappings of the {maps[1]} this process may hold "
+                f"(vm.max_map_count), most of them compiled programs' code: dropping every "
+                f"compiled program (jax.clear_caches) before LLVM runs out; calls compile again")
+  jax.clear_caches()
+  _programs_checked = decode._cache_size()
+  return True
+
