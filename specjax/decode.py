@@ -510,7 +510,6 @@ def decode(engine: Engine, prompt_width: int, cache_size: int, weights: Weights,
 # compile ("Cannot allocate memory"). Past this share of the limit every compiled program
 # is dropped, and the next call compiles again.
 MAP_LIMIT_SHARE = 0.6
-_programs_checked = -1
 
 
 def memory_maps() -> tuple[int, int] | None:
@@ -524,23 +523,17 @@ def memory_maps() -> tuple[int, int] | None:
     return None
 
 
-def release_near_map_limit() -> bool:
+def release_near_map_limit(pending=None) -> bool:
   """Drops every compiled program (`jax.clear_caches`) when the process's memory mappings
-  have passed `MAP_LIMIT_SHARE` of the limit; returns whether it did. Reads /proc (~1 ms)
-  only when `decode` has compiled since the last check, so a call that reuses its
-  program pays nothing."""
-  global _programs_checked
-  compiled = decode._cache_size()
-  if compiled == _programs_checked:
-    return False
-  _programs_checked = compiled
+  have passed `MAP_LIMIT_SHARE` of the limit, once `pending` (a call's result) is ready;
+  returns whether it did. Called right after a call that compiled, whose time the
+  read of /proc (under a millisecond at a few hundred mappings) hides in."""
   maps = memory_maps()
   if maps is None or maps[0] < MAP_LIMIT_SHARE * maps[1]:
     return False
   warnings.warn(f"specjax: {maps[0]} memory mappings of the {maps[1]} this process may hold "
                 f"(vm.max_map_count), most of them compiled programs' code: dropping every "
                 f"compiled program (jax.clear_caches) before LLVM runs out; calls compile again")
+  jax.block_until_ready(pending)
   jax.clear_caches()
-  _programs_checked = decode._cache_size()
   return True
-

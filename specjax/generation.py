@@ -44,10 +44,13 @@ class Prepared:
 
   def run(self, key, max_rounds: int = decode_lib.NO_ROUND_LIMIT) -> decode_lib.DecodeState:
     # A Python int like decode's default: every limit shares one program (it is traced).
-    decode_lib.release_near_map_limit()  # before compiling yet another program
-    return decode_lib.decode(self.engine, self.prompt_width, self.cache_size,
-                             decode_lib.laid_out(self.engine, self.weights), self.tokens,
-                             self.prompt_len, self.sampling, key, int(max_rounds))
+    programs = decode_lib.decode._cache_size()
+    state = decode_lib.decode(self.engine, self.prompt_width, self.cache_size,
+                              decode_lib.laid_out(self.engine, self.weights), self.tokens,
+                              self.prompt_len, self.sampling, key, int(max_rounds))
+    if decode_lib.decode._cache_size() != programs:  # it compiled: too many in one process?
+      decode_lib.release_near_map_limit(state)
+    return state
 
 
 @dataclasses.dataclass
