@@ -523,6 +523,13 @@ def memory_maps() -> tuple[int, int] | None:
     return None
 
 
+def compiled_programs() -> int | None:
+  """How many programs `decode` holds compiled; None where this jax has no count (jit's
+  `_cache_size` is private: without it the map check below is skipped, nothing fails)."""
+  count = getattr(decode, "_cache_size", None)
+  return count() if callable(count) else None
+
+
 def release_near_map_limit(pending=None) -> bool:
   """Drops every compiled program (`jax.clear_caches`) when the process's memory mappings
   have passed `MAP_LIMIT_SHARE` of the limit, once `pending` (a call's result) is ready;

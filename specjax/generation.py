@@ -44,12 +44,12 @@ class Prepared:
 
   def run(self, key, max_rounds: int = decode_lib.NO_ROUND_LIMIT) -> decode_lib.DecodeState:
     # A Python int like decode's default: every limit shares one program (it is traced).
-    programs = decode_lib.decode._cache_size()
+    programs = decode_lib.compiled_programs()
     state = decode_lib.decode(self.engine, self.prompt_width, self.cache_size,
                               decode_lib.laid_out(self.engine, self.weights), self.tokens,
                               self.prompt_len, self.sampling, key, int(max_rounds))
-    if decode_lib.decode._cache_size() != programs:  # it compiled: too many in one process?
-      decode_lib.release_near_map_limit(state)
+    if programs is not None and decode_lib.compiled_programs() != programs:  # it compiled
+      decode_lib.release_near_map_limit(state)  # too many programs in one process?
     return state
 
 

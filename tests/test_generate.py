@@ -179,3 +179,8 @@ def test_programs_are_dropped_near_the_memory_map_limit(monkeypatch):
   with pytest.warns(UserWarning, match="vm.max_map_count"):
     out = specjax.generate(model, [[1, 2], [3]], max_new_tokens=2)  # a batch of two
   assert read and cleared and [len(t) for t in out.tokens] == [2, 2]
+  # A jax without jit's private program count: no check, the call still runs.
+  monkeypatch.setattr(decode, "compiled_programs", lambda: None)
+  read.clear()
+  out = specjax.generate(model, [[1, 2], [3]], max_new_tokens=3)
+  assert not read and [len(t) for t in out.tokens] == [3, 3]
