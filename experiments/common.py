@@ -17,7 +17,7 @@ from specjax import costs
 from specjax.training import data as data_lib
 from specjax import generation
 from specjax.models import heads as heads_lib
-from specjax.models.pretrained import load_pretrained
+from specjax.models.pretrained import load_pretrained, read_config
 
 
 # The shipped draft of each drafter that needs one.
@@ -28,7 +28,24 @@ PROCESSORS = dict(repetition_penalty=1.2, presence_penalty=0.3, frequency_penalt
                   no_repeat_ngram_size=3, min_new_tokens=4, logit_bias={0: -1.0})
 
 
+def check_pair(target_name: str, draft_name: str | None) -> None:
+  """Raises, naming both, where the draft cannot go with the target, from their configs
+  alone: nothing is loaded (a hub id's config is not fetched; `load_pair` checks it)."""
+  target = read_config(target_name)
+  draft = read_config(draft_name) if draft_name else None
+  if target is None or draft is None:
+    return
+  if isinstance(target, heads_lib.HeadConfig):
+    raise ValueError(f"target {target_name!r} is a draft head, not a model")
+  if isinstance(draft, heads_lib.HeadConfig):
+    draft.check_target_config(target)
+  elif draft.vocab_size > target.vocab_size:  # a smaller draft vocabulary is padded
+    raise ValueError(f"draft {draft_name!r} (vocab {draft.vocab_size}) and target "
+                     f"{target_name!r} (vocab {target.vocab_size}) differ")
+
+
 def load_pair(target_name: str, draft_name: str | None, dtype=jnp.float32):
+  check_pair(target_name, draft_name)  # before gigabytes of weights are read
   target = load_pretrained(target_name, dtype=dtype)
   draft = load_pretrained(draft_name, dtype=dtype) if draft_name else None
   if isinstance(draft, heads_lib.Head):  # a draft head (stdlib-eagle, stdlib-medusa)

@@ -25,7 +25,8 @@ from specjax import costs
 from specjax import generation
 from specjax import ledger
 from specjax import policies
-from specjax.models.pretrained import load_pretrained
+from specjax.models import heads as heads_lib
+from specjax.models.pretrained import load_pretrained, read_config
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/sweep.py", "Sweep config.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where results go.", required=True)
@@ -105,6 +106,19 @@ def validate(cfg) -> None:
     fail("call_costs", "must be True or False")
   if cfg.draft_sample not in ("probabilistic", "greedy"):
     fail("draft_sample", "must be 'probabilistic' or 'greedy'")
+
+
+def _check_heads(cfg, heads: dict, check) -> None:
+  """check(head) for each head; a head trained on another target stops the sweep with
+  the way out."""
+  for kind, head in heads.items():
+    try:
+      check(head)
+    except ValueError as e:
+      raise ValueError(f"{e}. The sweep's drafters include {kind!r} with "
+                       f"{kind}_head={cfg[f'{kind}_head']!r}: name a head trained on "
+                       f"{cfg.target!r} (--config.{kind}_head=DIR) or leave {kind!r} out "
+                       f"of --config.drafter") from None
 
 
 def point_specs(cfg, point: dict, base: dict, heads: dict, draft, draft_cost):
@@ -200,15 +214,11 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
     target, draft = models
   else:
     needs_draft = "model" in cfg.drafter or _tree_drafter(cfg) == "model"
+    target_config = read_config(cfg.target)  # the heads' fit, before any weights load
+    if target_config is not None and not isinstance(target_config, heads_lib.HeadConfig):
+      _check_heads(cfg, heads, lambda head: head.config.check_target_config(target_config))
     target, draft = common.load_pair(cfg.target, cfg.draft if needs_draft else None)
-  for kind, head in heads.items():  # a head trained on another target: stop before timing
-    try:
-      head.check_target(target)
-    except ValueError as e:
-      raise ValueError(f"{e}. The sweep's drafters include {kind!r} with "
-                       f"{kind}_head={cfg[f'{kind}_head']!r}: name a head trained on "
-                       f"{cfg.target!r} (--config.{kind}_head=DIR) or leave {kind!r} out "
-                       f"of --config.drafter") from None
+  _check_heads(cfg, heads, lambda head: head.check_target(target))  # and the weights'
   if prompts is None:
     if target.tokenizer is None:
       raise ValueError(f"target {cfg.target!r} has no tokenizer: prompts come from text")

@@ -155,6 +155,30 @@ def test_a_head_for_another_target_fails_with_the_way_out(tmp_path):
   assert not (tmp_path / "results.jsonl").exists()
 
 
+def _unreadable_checkpoint(path, **kw):
+  """A checkpoint whose config is fine and whose weights cannot be read."""
+  from specjax.models import checkpoint
+  model = tiny_model(**kw)
+  checkpoint.save_model(path, model.config, model.params)
+  (path / checkpoint.PARAMS).write_bytes(b"truncated")
+  return path
+
+
+def test_a_misfit_pair_fails_before_any_weights_load(tmp_path):
+  from experiments import common
+  cfg = sweep_config.get_config("smoke")
+  cfg.drafter = ("ngram", "eagle")
+  cfg.target = str(_unreadable_checkpoint(tmp_path / "target", vocab=16, n_layers=2))
+  # The head's misfit, not the target's truncated weights: nothing was read.
+  with pytest.raises(ValueError, match=r"d_model.*leave 'eagle' out of --config.drafter"):
+    run_lib.run_sweep(cfg, tmp_path / "run", progress=False)
+  draft = _unreadable_checkpoint(tmp_path / "draft", vocab=32)
+  with pytest.raises(ValueError, match=r"draft .* \(vocab 32\) and target .* \(vocab 16\) differ"):
+    common.load_pair(cfg.target, str(draft))
+  with pytest.raises(ValueError, match="truncated or corrupt"):  # a fit: the weights are read
+    common.load_pair(cfg.target, None)
+
+
 def test_unknown_variant():
   with pytest.raises(ValueError, match="variant"):
     sweep_config.get_config("huge")

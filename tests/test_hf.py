@@ -309,6 +309,8 @@ def test_import_then_export_gives_back_the_checkpoint(checkpoints, name):
   """transformers' own files -> specjax -> export: the same tensors, bit for bit."""
   directory, _ = checkpoints[name]
   model = hf.load_hf_model(directory)
+  from specjax.models import pretrained
+  assert pretrained.read_config(directory) == model.config  # config.json alone, first
   original = load_file(directory / "model.safetensors")
   exported = hf.params_to_hf(model.config, model.params)
   if model.config.tie_embeddings:  # a stored copy of a tied head is not ours to write

@@ -104,3 +104,20 @@ def test_hugging_face_dirs_and_hub_ids_go_to_specjax_hf(tmp_path, monkeypatch):
 def test_a_missing_directory_is_named(tmp_path):
   with pytest.raises(ValueError, match=f"no directory {tmp_path}/a/b/c"):
     pretrained.load_pretrained(tmp_path / "a" / "b" / "c")
+
+
+def test_read_config_reads_no_weights(tmp_path):
+  model = init_model(ModelConfig(vocab_size=20, d_model=8, n_layers=1, n_heads=1, max_len=8))
+  checkpoint.save_model(tmp_path, model.config, model.params)
+  (tmp_path / checkpoint.PARAMS).write_bytes(b"truncated")
+  assert pretrained.read_config(tmp_path) == model.config  # the weights are never read
+  with pytest.raises(checkpoint.CheckpointError, match="corrupt"):
+    pretrained.load_pretrained(tmp_path)
+  assert pretrained.read_config("stdlib-target") == pretrained.load_pretrained(
+      "stdlib-target").config
+  head = pretrained.read_config("stdlib-eagle")
+  assert head.kind == "eagle" and head.target == pretrained.read_config("stdlib-target")
+  assert pretrained.read_config("org/some-model") is None  # a hub id is not fetched for a look
+  for bad, match in ((tmp_path / "nowhere", "no directory"), ("./stdlib-targte", "known names")):
+    with pytest.raises(ValueError, match=match):
+      pretrained.read_config(bad)

@@ -73,6 +73,22 @@ class HeadConfig:
     """The EAGLE decoder layer: the target's block architecture, one layer deep."""
     return dataclasses.replace(self.target, n_layers=1)
 
+  def check_target_config(self, got: ModelConfig) -> None:
+    """ValueError naming what differs between a target's config and the one trained on.
+
+    Needs no weights, so a loader can run it before reading them (`Head.check_target`
+    adds the weights' fingerprint)."""
+    want = self.target
+    for name in ("d_model", "vocab_size"):
+      if getattr(want, name) != getattr(got, name):
+        raise ValueError(f"{self.kind} head was trained for a target with {name} "
+                         f"{getattr(want, name)}; this target has {getattr(got, name)}")
+    diff = [f.name for f in dataclasses.fields(want)
+            if getattr(want, f.name) != getattr(got, f.name, None)]
+    if diff:
+      raise ValueError(f"{self.kind} head was trained for a different target architecture "
+                       f"(differs in {', '.join(diff)})")
+
   def to_dict(self) -> dict[str, Any]:
     return {"kind": self.kind, "medusa_heads": self.medusa_heads,
             "target": self.target.to_dict()}
@@ -261,16 +277,8 @@ class Head:
 
   def check_target(self, target) -> None:
     """Raises ValueError naming what differs between `target` (a Model) and the head's."""
-    want, got = self.config.target, target.config
-    for name in ("d_model", "vocab_size"):
-      if getattr(want, name) != getattr(got, name):
-        raise ValueError(f"{self.kind} head was trained for a target with {name} "
-                         f"{getattr(want, name)}; this target has {getattr(got, name)}")
-    diff = [f.name for f in dataclasses.fields(want)
-            if getattr(want, f.name) != getattr(got, f.name, None)]
-    if diff:
-      raise ValueError(f"{self.kind} head was trained for a different target architecture "
-                       f"(differs in {', '.join(diff)})")
+    self.config.check_target_config(target.config)
+    got = target.config
     print_ = target_fingerprint(got, target.params)
     if print_ != self.target_fingerprint:
       from specjax.models import quantization
@@ -328,9 +336,7 @@ def save_head(path: str | os.PathLike, head: Head, dtype=None) -> Path:
   return path
 
 
-def load_head(path: str | os.PathLike, dtype=jnp.float32) -> Head:
-  path = Path(path)
-  dtype = None if dtype is None else model_lib.float_dtype(dtype)
+def _read_manifest(path: Path) -> dict:
   err = checkpoint_lib.CheckpointError
   try:
     manifest = json.loads((path / MANIFEST).read_text())
@@ -341,6 +347,20 @@ def load_head(path: str | os.PathLike, dtype=jnp.float32) -> Head:
     raise err(f"{path / MANIFEST} is not a {FORMAT} v{VERSION} manifest")
   checkpoint_lib.check_manifest(manifest, path / MANIFEST,
                                 ("config", "params", "params_sha256", "target_fingerprint"))
+  return manifest
+
+
+def read_head_config(path: str | os.PathLike) -> HeadConfig:
+  """A head directory's config, without reading its weights."""
+  path = Path(path)
+  return checkpoint_lib._config(_read_manifest(path), path / MANIFEST, HeadConfig.from_dict)
+
+
+def load_head(path: str | os.PathLike, dtype=jnp.float32) -> Head:
+  path = Path(path)
+  dtype = None if dtype is None else model_lib.float_dtype(dtype)
+  err = checkpoint_lib.CheckpointError
+  manifest = _read_manifest(path)
   hc = checkpoint_lib._config(manifest, path / MANIFEST, HeadConfig.from_dict)
   blob = (path / PARAMS).read_bytes() if (path / PARAMS).is_file() else b""
   if hashlib.sha256(blob).hexdigest() != manifest["params_sha256"]:

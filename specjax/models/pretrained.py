@@ -75,6 +75,19 @@ def load_pretrained(name_or_path: str | os.PathLike, dtype=jnp.float32, mesh=Non
   A draft-head directory (e.g. 'stdlib-eagle', 'stdlib-medusa') gives a
   `specjax.models.heads.Head` instead.
   """
+  where = _locate(name_or_path)
+  if not isinstance(where, Path):
+    from specjax import hf
+    return hf.load_hf_model(where, dtype=dtype, mesh=mesh)
+  if (where / checkpoint_lib.MANIFEST).exists() or _is_head_dir(where) or not _is_hf_dir(where):
+    return _load_dir(where, dtype, mesh)  # a shipped name's own error if it is incomplete
+  from specjax import hf
+  return hf.load_hf_model(os.fspath(where), dtype=dtype, mesh=mesh)
+
+
+def _locate(name_or_path) -> Path | str:
+  """The model directory a name means, or the name itself for a hub id; raises for
+  a name that names nothing loadable."""
   name = os.fspath(name_or_path)
   if name in KNOWN:
     path = checkpoints_dir() / name
@@ -82,20 +95,39 @@ def load_pretrained(name_or_path: str | os.PathLike, dtype=jnp.float32, mesh=Non
       raise checkpoint_lib.CheckpointError(
           f"shipped checkpoint {name!r} not found at {path} (set {ENV_VAR} to the folder "
           "that holds it)")
-    return _load_dir(path, dtype, mesh)
+    return path
   path = Path(name).expanduser()
   if path.is_dir():
-    if (path / checkpoint_lib.MANIFEST).exists() or _is_head_dir(path):
-      return _load_dir(path, dtype, mesh)
-    if _is_hf_dir(path):
-      from specjax import hf
-      return hf.load_hf_model(name, dtype=dtype, mesh=mesh)
+    if ((path / checkpoint_lib.MANIFEST).exists() or _is_head_dir(path)
+        or _is_hf_dir(path)):
+      return path
     raise ValueError(f"{path} is neither a specjax checkpoint ({checkpoint_lib.MANIFEST}) "
                      "nor a Hugging Face model directory (config.json with model_type)")
   if path.exists():
     raise ValueError(f"{path} is a file; load_pretrained needs a model directory or a name")
   if looks_like_hub_id(name):
-    from specjax import hf
-    return hf.load_hf_model(name, dtype=dtype, mesh=mesh)
+    return name
   raise ValueError(f"unknown model {name!r}: there is no directory {path.resolve()}, and it "
                    f"is not a hub id; known names: {', '.join(KNOWN)}")
+
+
+def read_config(name_or_path: str | os.PathLike):
+  """The config of what `load_pretrained(name_or_path)` loads, read without the weights.
+
+  A `ModelConfig`, a `HeadConfig` for a draft-head directory, or None for a hub id (a look
+  at it would fetch the files). Raises what `load_pretrained` raises for a name that
+  names nothing and for an unreadable manifest or config.json, so a caller can check a
+  pair before it reads gigabytes of weights.
+  """
+  where = _locate(name_or_path)
+  if not isinstance(where, Path):
+    return None
+  if _is_head_dir(where):
+    from specjax.models import heads
+    return heads.read_head_config(where)
+  if (where / checkpoint_lib.MANIFEST).exists() or not _is_hf_dir(where):
+    from specjax.models.config import ModelConfig
+    return checkpoint_lib._config(checkpoint_lib.read_manifest(where),
+                                  where / checkpoint_lib.MANIFEST, ModelConfig.from_dict)
+  from specjax.hf import config as hf_config, files
+  return hf_config.config_from_hf(files.read_config(where / "config.json"))
