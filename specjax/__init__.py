@@ -3,7 +3,7 @@ from specjax import rng as _rng
 
 _rng.use_unrolled_threefry()  # before any program is traced (see specjax/rng.py)
 
-from specjax.generation import GenerateResult, generate
+from specjax.generation import Chunk, GenerateResult, Stream, generate, stream
 from specjax.models.config import ModelConfig
 from specjax.models.model import Model, init_model
 from specjax.models.pretrained import load_pretrained
@@ -11,5 +11,5 @@ from specjax.models.quantization import quantize
 from specjax.models.sharding import shard
 from specjax.processors import constraints
 
-__all__ = ["GenerateResult", "constraints", "Model", "ModelConfig", "generate", "init_model",
-           "load_pretrained", "quantize", "shard"]
+__all__ = ["Chunk", "GenerateResult", "Stream", "constraints", "Model", "ModelConfig",
+           "generate", "init_model", "load_pretrained", "quantize", "shard", "stream"]

@@ -504,6 +504,27 @@ def decode(engine: Engine, prompt_width: int, cache_size: int, weights: Weights,
                     jnp.asarray(max_rounds, jnp.int32))
 
 
+@functools.partial(jax.jit, static_argnames=("engine", "prompt_width", "cache_size"))
+def start(engine: Engine, prompt_width: int, cache_size: int, weights: Weights, tokens,
+          prompt_len, sampling: Sampling, key) -> DecodeState:
+  """`decode`'s prefill alone: the state `resume` continues (`generation.stream`)."""
+  with model_lib.whole_rows(engine.mesh is not None):
+    return sharding.constrain(engine, prefill(engine, cpu_layout(engine, weights), tokens,
+                                              prompt_len, prompt_width, cache_size, key,
+                                              sampling))
+
+
+@functools.partial(jax.jit, static_argnames=("engine",), donate_argnames=("state",))
+def resume(engine: Engine, weights: Weights, state: DecodeState, sampling: Sampling,
+           max_rounds) -> DecodeState:
+  """`decode`'s rounds from `state` until every row is done or `state.target_calls`
+  reaches max_rounds (traced: one program for every chunk). The state's key is split
+  every round, so rounds run in chunks draw what one call draws."""
+  with model_lib.whole_rows(engine.mesh is not None):
+    return run_loop(engine, cpu_layout(engine, weights), state, sampling,
+                    jnp.asarray(max_rounds, jnp.int32))
+
+
 # XLA:CPU keeps each compiled program's code in its own memory mappings: ~500-600 for a
 # `decode` program of the shipped pair. A process holding ~100 of them reaches Linux's
 # vm.max_map_count (65,530 by default), and LLVM then aborts the process at the next
@@ -524,10 +545,11 @@ def memory_maps() -> tuple[int, int] | None:
 
 
 def compiled_programs() -> int | None:
-  """How many programs `decode` holds compiled; None where this jax has no count (jit's
-  `_cache_size` is private: without it the map check below is skipped, nothing fails)."""
-  count = getattr(decode, "_cache_size", None)
-  return count() if callable(count) else None
+  """How many programs `decode`, `start` and `resume` hold compiled; None where this jax
+  has no count (jit's `_cache_size` is private: without it the map check below is
+  skipped, nothing fails)."""
+  counts = [getattr(f, "_cache_size", None) for f in (decode, start, resume)]
+  return sum(c() for c in counts) if all(callable(c) for c in counts) else None
 
 
 def release_near_map_limit(pending=None) -> bool:

@@ -42,15 +42,32 @@ class Prepared:
                               self.tokens, self.prompt_len, self.prompt_width,
                               self.cache_size, key, self.sampling)
 
-  def run(self, key, max_rounds: int = decode_lib.NO_ROUND_LIMIT) -> decode_lib.DecodeState:
-    # A Python int like decode's default: every limit shares one program (it is traced).
+  def start(self, key) -> decode_lib.DecodeState:
+    """The prefilled state `resume` continues, compiled (`prefill` runs op by op)."""
+    return self._checked(lambda: decode_lib.start(
+        self.engine, self.prompt_width, self.cache_size,
+        decode_lib.laid_out(self.engine, self.weights), self.tokens, self.prompt_len,
+        self.sampling, key))
+
+  def resume(self, state, max_rounds: int) -> decode_lib.DecodeState:
+    """Rounds from `state` (donated) until every row is done or max_rounds rounds in all."""
+    return self._checked(lambda: decode_lib.resume(
+        self.engine, decode_lib.laid_out(self.engine, self.weights), state, self.sampling,
+        int(max_rounds)))
+
+  def _checked(self, call):
     programs = decode_lib.compiled_programs()
-    state = decode_lib.decode(self.engine, self.prompt_width, self.cache_size,
-                              decode_lib.laid_out(self.engine, self.weights), self.tokens,
-                              self.prompt_len, self.sampling, key, int(max_rounds))
+    state = call()
     if programs is not None and decode_lib.compiled_programs() != programs:  # it compiled
       decode_lib.release_near_map_limit(state)  # too many programs in one process?
     return state
+
+  def run(self, key, max_rounds: int = decode_lib.NO_ROUND_LIMIT) -> decode_lib.DecodeState:
+    # A Python int like decode's default: every limit shares one program (it is traced).
+    return self._checked(lambda: decode_lib.decode(
+        self.engine, self.prompt_width, self.cache_size,
+        decode_lib.laid_out(self.engine, self.weights), self.tokens, self.prompt_len,
+        self.sampling, key, int(max_rounds)))
 
 
 @dataclasses.dataclass
@@ -488,9 +505,7 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
       draft replicated, the batch over 'data', padded with copies of the last prompt to
       a multiple of dp (the copies are dropped). Same seed, same tokens as one device.
   """
-  seed = checks.int_at_least("seed", seed, 0)
-  if seed >= 2 ** 32:  # PRNGKey keeps 32 bits: larger seeds would collide with small ones
-    raise ValueError(f"seed must be < 2**32, got {seed}")
+  seed = _check_seed(seed)
   args = prepare(target, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                  top_k=top_k, top_p=top_p, eos_id=eos_id, stop_sequences=stop_sequences,
                  draft=draft, gamma=gamma, tree=tree,
@@ -504,12 +519,105 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
   if mesh is not None:
     from specjax.models import sharding
     args = sharding.distribute(args, mesh)  # its run() returns the caller's rows, on the host
-  state = args.run(seed_key(seed))
-  tokens, n, prompt_len, stats = fetch(state, args.engine.gamma)
+  return _result(target, args.engine, args.run(seed_key(seed)))
+
+
+def _result(target: Model, engine: decode_lib.Engine, state) -> GenerateResult:
+  tokens, n, prompt_len, stats = fetch(state, engine.gamma)
   new = [tokens[i, prompt_len[i]:n[i]].tolist() for i in range(len(n))]
   texts = None
   if target.tokenizer is not None:
     texts = [target.tokenizer.decode(t) for t in new]
-  stats = dict(stats, lossless=args.engine.rule.lossless,
-               gamma_policy=args.engine.policy.kind)
+  stats = dict(stats, lossless=engine.rule.lossless, gamma_policy=engine.policy.kind)
   return GenerateResult(tokens=new, stats=stats, texts=texts)
+
+
+@dataclasses.dataclass
+class Chunk:
+  """What a stream's step added to each row."""
+  tokens: list[list[int]]  # the row's tokens committed since the previous chunk
+  # Their text, when the target has a tokenizer. A character whose bytes are split over
+  # tokens waits for its last byte, so the texts of all chunks add up to the row's text
+  # (where decoding more tokens never rewrites the text of earlier ones).
+  texts: list[str] | None
+  done: list[bool]  # the row has finished: nothing more will come
+
+
+class Stream:
+  """`stream`'s chunks, in order, as rounds finish; then `result`, what `generate` with
+  the same arguments returns."""
+
+  def __init__(self, target: Model, prepared: Prepared, key, rounds: int):
+    self._chunks = self._run(target, prepared, key, rounds)
+    self._result = None
+
+  def __iter__(self):
+    return self._chunks
+
+  @property
+  def result(self) -> GenerateResult:
+    if self._result is None:
+      raise RuntimeError("the stream has chunks left: read them all before its result")
+    return self._result
+
+  def _run(self, target: Model, prepared: Prepared, key, rounds: int):
+    engine = prepared.engine
+    batch = prepared.tokens.shape[0]
+    sent = prepared.prompt_len.astype(np.int64)  # tokens handed out, per row
+    new_tokens = [[] for _ in range(batch)]
+    texts_sent = [""] * batch
+    state = prepared.start(key)
+    limit = 0
+    while True:
+      limit += rounds
+      state = prepared.resume(state, limit)
+      tokens, n, done = on_host((state.tokens, state.n, state.done))
+      chunk = [tokens[i, sent[i]:n[i]].tolist() for i in range(batch)]
+      sent = np.asarray(n, np.int64)
+      finished = bool(np.all(done)) or limit >= decode_lib.NO_ROUND_LIMIT - rounds
+      texts = None
+      if target.tokenizer is not None:
+        texts = []
+        for i in range(batch):
+          new_tokens[i] += chunk[i]
+          text = target.tokenizer.decode(new_tokens[i])
+          if not done[i]:  # a character cut short decodes as U+FFFD until its last byte
+            text = text.rstrip("\ufffd")
+          # Past what was sent (a tokenizer that rewrites earlier text on a longer
+          # decode, say a cleanup of spaces before punctuation, cannot take it back).
+          delta = text[len(texts_sent[i]):]
+          texts_sent[i] += delta
+          texts.append(delta)
+      yield Chunk(tokens=chunk, texts=texts, done=[bool(d) for d in done])
+      if finished:
+        break
+    self._result = _result(target, engine, state)
+
+
+def stream(target: Model, prompts, *, rounds_per_chunk: int = 1, seed: int = 0,
+           **kwargs) -> Stream:
+  """`generate`, handing out each row's new tokens (and text) as the rounds commit them.
+
+  Takes `generate`'s arguments (all but `mesh`) and `rounds_per_chunk`: how many rounds
+  run between two chunks (each chunk is one call of a program compiled once, and a
+  host read). Iterate for `Chunk`s; afterwards `.result` is what `generate` returns for
+  the same arguments and seed: the same tokens, the same stats (rounds in chunks draw
+  the same random numbers as in one call). Everything is checked before anything runs.
+
+      for chunk in specjax.stream(target, "def f(x):", draft=draft, gamma=4):
+        print(chunk.texts[0], end="", flush=True)
+  """
+  if "mesh" in kwargs:
+    raise ValueError("stream runs on one device; use generate(..., mesh=) for a mesh")
+  rounds = checks.int_at_least("rounds_per_chunk", rounds_per_chunk, 1)
+  key = seed_key(_check_seed(seed))
+  defaults = dict(max_new_tokens=32, temperature=0.0, top_k=0, top_p=1.0, eos_id=None)
+  prepared = prepare(target, prompts, **{**defaults, **kwargs})
+  return Stream(target, prepared, key, rounds)
+
+
+def _check_seed(seed) -> int:
+  seed = checks.int_at_least("seed", seed, 0)
+  if seed >= 2 ** 32:  # PRNGKey keeps 32 bits: larger seeds would collide with small ones
+    raise ValueError(f"seed must be < 2**32, got {seed}")
+  return seed

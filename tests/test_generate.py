@@ -184,3 +184,57 @@ def test_programs_are_dropped_near_the_memory_map_limit(monkeypatch):
   read.clear()
   out = specjax.generate(model, [[1, 2], [3]], max_new_tokens=3)
   assert not read and [len(t) for t in out.tokens] == [3, 3]
+
+
+class _ByteTokenizer:
+  """Ids as bytes, some of them halves of 'é' (C3 A9) and '€' (E2 82 AC): text cut
+  inside a character, as byte-level BPE cuts it."""
+  BYTES = [b"a", b"\xc3", b"\xa9", b"\xe2", b"\x82", b"\xac", b" ", b"b", b"\xc3\xa9", b"c",
+           b"d", b"e"]
+
+  def decode(self, ids):
+    return b"".join(self.BYTES[i] for i in ids).decode("utf-8", errors="replace")
+
+
+@pytest.fixture(scope="module")
+def stream_pair():
+  target = tiny_model(vocab=12, n_layers=2, seed=3)
+  target.tokenizer = _ByteTokenizer()
+  return target, tiny_model(vocab=12, n_layers=1, seed=9)
+
+
+def test_stream_hands_out_what_generate_returns(stream_pair):
+  """Chunks add up to generate's tokens and text, and its result is generate's (same
+  seed: rounds in chunks draw what one call draws), at T = 0 and T > 0 in one batch."""
+  target, draft = stream_pair
+  prompts = [[1, 2, 3], [4], [5, 6, 7, 8, 9, 10, 0]] * 3
+  kw = dict(draft=draft, gamma=3, max_new_tokens=14, temperature=[0.0, 0.8, 1.0] * 3,
+            eos_id=4, seed=11)
+  want = specjax.generate(target, prompts, **kw)
+  s = specjax.stream(target, prompts, rounds_per_chunk=2, **kw)
+  with pytest.raises(RuntimeError, match="chunks left"):
+    s.result
+  chunks = list(s)
+  assert len(chunks) > 2  # several rounds' worth: the loop did stop and resume
+  for i in range(len(prompts)):
+    assert sum((c.tokens[i] for c in chunks), []) == want.tokens[i]
+    assert "".join(c.texts[i] for c in chunks) == want.texts[i]
+    done = [c.done[i] for c in chunks]
+    assert done == sorted(done) and done[-1]  # once done, a row stays done ...
+    assert all(not c.tokens[i] for c in chunks[done.index(True) + 1:])  # ... and silent
+    for c in chunks:  # a character cut between tokens waits for its last byte
+      assert c.done[i] or not c.texts[i].endswith("\ufffd")
+  assert s.result.tokens == want.tokens and s.result.texts == want.texts
+  assert s.result.stats == want.stats
+  assert any("\ufffd" in t for t in want.texts)  # the rows did end mid-character
+  assert any(b"\xc3\xa9".decode() in t or "€" in t for t in want.texts)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(rounds_per_chunk=0), "rounds_per_chunk"),
+    (dict(temperature=-1.0), "temperature"),
+    (dict(mesh=object()), "one device"),
+    (dict(seed=2 ** 32), "seed")])
+def test_stream_refuses_bad_input_before_anything_runs(stream_pair, kw, message):
+  with pytest.raises(ValueError, match=message):
+    specjax.stream(stream_pair[0], [[1, 2]], **kw)
