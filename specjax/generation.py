@@ -55,6 +55,14 @@ class Prepared:
         self.engine, decode_lib.laid_out(self.engine, self.weights), state, self.sampling,
         int(max_rounds)))
 
+  def progress(self, state):
+    """(tokens, n, done) of a state so far, on the host."""
+    return on_host((state.tokens, state.n, state.done))
+
+  def finish(self, state) -> decode_lib.DecodeState:
+    """The caller's rows of a final state (a mesh's `Prepared` drops its padding)."""
+    return state
+
   def _checked(self, call):
     programs = decode_lib.compiled_programs()
     state = call()
@@ -547,8 +555,8 @@ class Stream:
   """`stream`'s chunks, in order, as rounds finish; then `result`, what `generate` with
   the same arguments returns."""
 
-  def __init__(self, target: Model, prepared: Prepared, key, rounds: int):
-    self._chunks = self._run(target, prepared, key, rounds)
+  def __init__(self, target: Model, prepared: Prepared, key, rounds: int, prompt_len):
+    self._chunks = self._run(target, prepared, key, rounds, prompt_len)
     self._result = None
 
   def __iter__(self):
@@ -560,10 +568,10 @@ class Stream:
       raise RuntimeError("the stream has chunks left: read them all before its result")
     return self._result
 
-  def _run(self, target: Model, prepared: Prepared, key, rounds: int):
+  def _run(self, target: Model, prepared: Prepared, key, rounds: int, prompt_len):
     engine = prepared.engine
-    batch = prepared.tokens.shape[0]
-    sent = prepared.prompt_len.astype(np.int64)  # tokens handed out, per row
+    batch = len(prompt_len)  # the caller's rows (a mesh pads the batch)
+    sent = np.asarray(prompt_len, np.int64)  # tokens handed out, per row
     new_tokens = [[] for _ in range(batch)]
     texts_sent = [""] * batch
     state = prepared.start(key)
@@ -571,7 +579,7 @@ class Stream:
     while True:
       limit += rounds
       state = prepared.resume(state, limit)
-      tokens, n, done = on_host((state.tokens, state.n, state.done))
+      tokens, n, done = (x[:batch] for x in prepared.progress(state))
       chunk = [tokens[i, sent[i]:n[i]].tolist() for i in range(batch)]
       sent = np.asarray(n, np.int64)
       finished = bool(np.all(done)) or limit >= decode_lib.NO_ROUND_LIMIT - rounds
@@ -591,14 +599,14 @@ class Stream:
       yield Chunk(tokens=chunk, texts=texts, done=[bool(d) for d in done])
       if finished:
         break
-    self._result = _result(target, engine, state)
+    self._result = _result(target, engine, prepared.finish(state))
 
 
 def stream(target: Model, prompts, *, rounds_per_chunk: int = 1, seed: int = 0,
            **kwargs) -> Stream:
   """`generate`, handing out each row's new tokens (and text) as the rounds commit them.
 
-  Takes `generate`'s arguments (all but `mesh`) and `rounds_per_chunk`: how many rounds
+  Takes `generate`'s arguments and `rounds_per_chunk`: how many rounds
   run between two chunks (each chunk is one call of a program compiled once, and a
   host read). Iterate for `Chunk`s; afterwards `.result` is what `generate` returns for
   the same arguments and seed: the same tokens, the same stats (rounds in chunks draw
@@ -607,13 +615,16 @@ def stream(target: Model, prompts, *, rounds_per_chunk: int = 1, seed: int = 0,
       for chunk in specjax.stream(target, "def f(x):", draft=draft, gamma=4):
         print(chunk.texts[0], end="", flush=True)
   """
-  if "mesh" in kwargs:
-    raise ValueError("stream runs on one device; use generate(..., mesh=) for a mesh")
   rounds = checks.int_at_least("rounds_per_chunk", rounds_per_chunk, 1)
   key = seed_key(_check_seed(seed))
+  mesh = kwargs.pop("mesh", None)
   defaults = dict(max_new_tokens=32, temperature=0.0, top_k=0, top_p=1.0, eos_id=None)
   prepared = prepare(target, prompts, **{**defaults, **kwargs})
-  return Stream(target, prepared, key, rounds)
+  prompt_len = prepared.prompt_len
+  if mesh is not None:
+    from specjax.models import sharding
+    prepared = sharding.distribute(prepared, mesh)
+  return Stream(target, prepared, key, rounds, prompt_len)
 
 
 def _check_seed(seed) -> int:

@@ -233,7 +233,7 @@ def test_stream_hands_out_what_generate_returns(stream_pair):
 @pytest.mark.parametrize("kw, message", [
     (dict(rounds_per_chunk=0), "rounds_per_chunk"),
     (dict(temperature=-1.0), "temperature"),
-    (dict(mesh=object()), "one device"),
+    (dict(mesh=object()), "mesh"),
     (dict(seed=2 ** 32), "seed")])
 def test_stream_refuses_bad_input_before_anything_runs(stream_pair, kw, message):
   with pytest.raises(ValueError, match=message):

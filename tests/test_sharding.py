@@ -113,6 +113,13 @@ def worker_mesh():
                                         mesh=mesh, temperature=1.0, seed=7, **kw).tokens
       res["t1/one"] = specjax.generate(targets[name], PROMPTS, max_new_tokens=STEPS, gamma=3,
                                        temperature=1.0, seed=7, **kw).tokens
+      # Streamed on the mesh, in chunks of 2 rounds: the same tokens again.
+      stream = specjax.stream(target, PROMPTS, max_new_tokens=STEPS, gamma=3, mesh=mesh,
+                              temperature=1.0, seed=7, rounds_per_chunk=2, **kw)
+      chunks = [c.tokens for c in stream]
+      res["t1/stream"] = [sum((c[i] for c in chunks), []) for i in range(len(PROMPTS))]
+      res["t1/stream_result"] = stream.result.tokens
+      res["t1/stream_chunks"] = len(chunks)
       # The raw final state (same engine and shapes: no new compile).
       args = sharding.distribute(prepare(target, PROMPTS, max_new_tokens=STEPS, temperature=0.0,
                                          top_k=0, top_p=1.0, eos_id=None, draft=draft, gamma=3),
@@ -388,6 +395,9 @@ class MeshTest(parameterized.TestCase):
     r = result("mesh")
     self.assertEqual(r["t1/mesh"], r["t1/one"])
     self.assertNotEqual(r["t1/mesh"], r["oracle/llama"])  # it really sampled
+    self.assertEqual(r["t1/stream"], r["t1/one"])  # streamed on the mesh, in chunks
+    self.assertEqual(r["t1/stream_result"], r["t1/one"])
+    self.assertGreater(r["t1/stream_chunks"], 1)
 
   @parameterized.parameters(("gpt2", 8), ("llama", 8), ("gpt2_int8", 4))
   def test_large_parameters_are_split(self, name, tp):

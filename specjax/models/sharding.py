@@ -287,4 +287,13 @@ def _distributed_class():
       limit = {} if max_rounds is None else dict(max_rounds=max_rounds)
       return collect(super().run(key, **limit), self.rows)
 
+    def start(self, key):
+      return super().start(put(key, NamedSharding(self.engine.mesh, P())))
+
+    def finish(self, state):
+      return collect(state, self.rows)
+
+    def progress(self, state):  # gathered across processes, as `collect` does
+      return tuple(host(x)[:self.rows] for x in (state.tokens, state.n, state.done))
+
   return Distributed
