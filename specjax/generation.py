@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -612,13 +613,19 @@ def stream(target: Model, prompts, *, rounds_per_chunk: int = 1, seed: int = 0,
   the same arguments and seed: the same tokens, the same stats (rounds in chunks draw
   the same random numbers as in one call). Everything is checked before anything runs.
 
-      for chunk in specjax.stream(target, "def f(x):", draft=draft, gamma=4):
+      for chunk in specjax.stream(target, ["def f(x):"], draft=draft, gamma=4):
         print(chunk.texts[0], end="", flush=True)
   """
   rounds = checks.int_at_least("rounds_per_chunk", rounds_per_chunk, 1)
   key = seed_key(_check_seed(seed))
+  params = inspect.signature(generate).parameters
+  unknown = sorted(set(kwargs) - set(params) | set(kwargs) & {"target", "prompts"})
+  if unknown:
+    raise TypeError(f"stream() got unexpected keyword arguments {unknown}; it takes "
+                    "generate's and rounds_per_chunk")
   mesh = kwargs.pop("mesh", None)
-  defaults = dict(max_new_tokens=32, temperature=0.0, top_k=0, top_p=1.0, eos_id=None)
+  defaults = {k: p.default for k, p in params.items()  # generate's, so the two agree
+              if p.kind is p.KEYWORD_ONLY and k not in ("seed", "mesh")}
   prepared = prepare(target, prompts, **{**defaults, **kwargs})
   prompt_len = prepared.prompt_len
   if mesh is not None:

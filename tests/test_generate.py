@@ -238,3 +238,10 @@ def test_stream_hands_out_what_generate_returns(stream_pair):
 def test_stream_refuses_bad_input_before_anything_runs(stream_pair, kw, message):
   with pytest.raises(ValueError, match=message):
     specjax.stream(stream_pair[0], [[1, 2]], **kw)
+
+
+def test_stream_takes_generates_arguments_and_defaults(stream_pair):
+  with pytest.raises(TypeError, match=r"\['max_new_token'\]"):
+    specjax.stream(stream_pair[0], [[1, 2]], max_new_token=3)
+  s = specjax.stream(stream_pair[0], [[1, 2]], rounds_per_chunk=5)
+  assert sum(len(c.tokens[0]) for c in s) == 32  # generate's default budget
