@@ -30,6 +30,8 @@ from specjax.models.pretrained import load_pretrained, read_config
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/sweep.py", "Sweep config.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where results go.", required=True)
+flags.register_validator("workdir", lambda d: d is None or bool(d.strip()),
+                         "--workdir must name a directory (empty: the current one)")
 
 GRID_FIELDS = ("drafter", "gamma", "temperature", "top_p", "batch_size")
 # Processor axes: neutral values mean off; rows written before they existed read as off.
@@ -48,6 +50,11 @@ def validate(cfg) -> None:
   for field in GRID_FIELDS + tuple(PROCESSOR_FIELDS):
     if not isinstance(cfg[field], (tuple, list)) or not cfg[field]:
       fail(field, "must be a non-empty tuple")
+    if any(isinstance(v, bool) for v in cfg[field]):
+      fail(field, "takes numbers or names, not True / False")
+    repeated = sorted({json.dumps(v) for v in cfg[field] if list(cfg[field]).count(v) > 1})
+    if repeated:  # a point twice would be timed twice and written twice
+      fail(field, f"repeats {', '.join(repeated)}")
   for r in cfg.repetition_penalty:
     if not isinstance(r, (int, float)) or not 0 < r < math.inf:
       fail("repetition_penalty", "penalties must be finite numbers > 0 (1 = off)")
@@ -151,14 +158,58 @@ def point_key(point: dict) -> str:
   return json.dumps(key, sort_keys=True)
 
 
-def read_rows(path: Path) -> list[dict]:
+def read_rows(path: Path, repair: bool = False) -> list[dict]:
+  """The rows in `path`. A last line cut short (a run stopped while writing it) is left
+  out, and with repair=True removed from the file, so the next row starts a line."""
   if not path.exists():
     return []
   rows = []
-  for line in path.read_text().splitlines():
-    if line.strip():
+  lines = path.read_text().splitlines()
+  for i, line in enumerate(lines):
+    if not line.strip():
+      continue
+    try:
       rows.append(json.loads(line))
+    except ValueError as e:
+      if i == len(lines) - 1:  # a run stopped while writing its last row: rerun that point
+        logging.warning("%s: line %d is cut short; its point runs again", path, i + 1)
+        if repair:
+          tmp = path.with_suffix(".tmp")
+          tmp.write_text("".join(line + "\n" for line in lines[:i]))
+          tmp.replace(path)
+        continue
+      raise ValueError(f"{path}, line {i + 1}: not a JSON row ({e}); move the file "
+                       "away or use another --workdir") from None
   return rows
+
+
+def check_workdir(cfg, workdir: Path) -> None:
+  """Refuses a workdir whose rows were measured under other settings: a rerun adds grid
+  points to a sweep, so every field outside the grid must be what config.json says."""
+  saved_path, results = workdir / "config.json", workdir / "results.jsonl"
+  if workdir.exists() and not workdir.is_dir():
+    raise ValueError(f"--workdir {workdir} is a file")
+  if not saved_path.exists():
+    if results.exists():
+      raise ValueError(f"{results} has rows but {saved_path} is missing, so the settings "
+                       "they were measured under are unknown: use another --workdir")
+    return
+  try:
+    saved = json.loads(saved_path.read_text())
+  except ValueError as e:
+    raise ValueError(f"{saved_path} is not JSON ({e}): use another --workdir") from None
+  now = json.loads(json.dumps(cfg.to_dict()))
+  if not isinstance(saved, dict) or not {"drafter", "gamma", "target"} <= set(saved):
+    raise ValueError(f"{saved_path} is not a sweep's config (another job's workdir?): "
+                     "use another --workdir")
+  grid = set(GRID_FIELDS) | set(PROCESSOR_FIELDS) | {"trees"}
+  differ = sorted(k for k in set(saved) | set(now)
+                  if k not in grid and saved.get(k) != now.get(k))
+  if differ:
+    listed = "; ".join(f"{k}: {saved.get(k)!r} there, {now.get(k)!r} now" for k in differ)
+    raise ValueError(f"{workdir} holds a sweep measured with other settings ({listed}); "
+                     "its rows would be reported as this config's. Use another --workdir, "
+                     "or set those fields as they were (grid fields may change)")
 
 
 def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
@@ -173,8 +224,9 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
   """
   validate(cfg)
   workdir = Path(workdir)
+  check_workdir(cfg, workdir)
   results_path = workdir / "results.jsonl"
-  rows = read_rows(results_path)
+  rows = read_rows(results_path, repair=True)
   done = {point_key(r) for r in rows}
   fields = GRID_FIELDS + tuple(PROCESSOR_FIELDS)
   grid = [dict(zip(fields, values)) for values in itertools.product(
@@ -189,6 +241,13 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
     as_json = [list(x) if isinstance(x, (list, tuple)) else x for x in tree]
     grid += [dict(p, drafter=_tree_drafter(cfg), gamma=depth, tree=as_json) for p in base]
   # Heads are small: load them first (a bad name fails before the models load).
+  for d in generation.HEAD_DRAFTERS:
+    if d in cfg.drafter:
+      found = read_config(cfg[f"{d}_head"])
+      if found is not None and getattr(found, "kind", None) != d:
+        what = f"a {found.kind} head" if hasattr(found, "kind") else "a model, not a head"
+        raise ValueError(f"config.{d}_head: {cfg[f'{d}_head']!r} is {what}; drafter {d!r} "
+                         f"needs a {d} head")
   heads = {d: load_pretrained(cfg[f"{d}_head"]) for d in generation.HEAD_DRAFTERS
            if d in cfg.drafter}
   if "medusa" in heads:  # K heads draft at most K tokens

@@ -120,6 +120,11 @@ def test_rerun_skips_done_points(smoke):
     ("presence_penalty", (float("inf"),), "config.presence_penalty"),
     ("seed", -1, "config.seed"),
     ("ngram_min", 0, "config.ngram_min"),
+    ("batch_size", (True,), r"config.batch_size: takes numbers or names, not True"),
+    ("temperature", (0.0, True), r"config.temperature: takes numbers"),
+    ("gamma", (2, 1, 2), r"config.gamma: repeats 2 "),
+    ("eagle_head", "stdlib-draft", r"config.eagle_head: 'stdlib-draft' is a model, not a head"),
+    ("eagle_head", "stdlib-medusa", r"config.eagle_head: 'stdlib-medusa' is a medusa head"),
 ])
 def test_bad_config_fails_at_once(tmp_path, field, value, message):
   cfg = sweep_config.get_config("smoke")
@@ -177,6 +182,42 @@ def test_a_misfit_pair_fails_before_any_weights_load(tmp_path):
     common.load_pair(cfg.target, str(draft))
   with pytest.raises(ValueError, match="truncated or corrupt"):  # a fit: the weights are read
     common.load_pair(cfg.target, None)
+
+
+def test_a_workdir_of_other_settings_is_refused_and_kept(smoke, tmp_path):
+  """A rerun adds grid points; rows measured under other settings (a target, a budget)
+  would be reported as this config's, so the run stops and touches nothing."""
+  import shutil
+  cfg, workdir, _ = smoke
+  copy = tmp_path / "copy"
+  shutil.copytree(workdir, copy)
+  before = {p.name: p.read_bytes() for p in copy.iterdir()}
+  other = sweep_config.get_config("smoke")
+  other.max_new_tokens = cfg.max_new_tokens + 1
+  other.target = "stdlib-draft"
+  with pytest.raises(ValueError, match=r"max_new_tokens: .* there.*target: 'stdlib-target'"):
+    run_lib.run_sweep(other, copy, progress=False)
+  other = sweep_config.get_config("smoke")
+  other.gamma = tuple(cfg.gamma) + (3,)  # a grid field: only the new points run
+  assert run_lib.check_workdir(other, copy) is None
+  foreign = tmp_path / "train"
+  foreign.mkdir()
+  (foreign / "config.json").write_text(json.dumps({"corpus": "stdlib", "steps": 10}))
+  with pytest.raises(ValueError, match="not a sweep's config"):
+    run_lib.run_sweep(cfg, foreign, progress=False)
+  assert json.loads((foreign / "config.json").read_text()) == {"corpus": "stdlib", "steps": 10}
+  assert before == {p.name: p.read_bytes() for p in copy.iterdir()}
+
+
+def test_a_cut_last_row_runs_again_and_a_bad_one_is_named(tmp_path):
+  path = tmp_path / "results.jsonl"
+  path.write_text('{"a": 1}\n{"a": 2, "b"')  # stopped while writing
+  assert run_lib.read_rows(path) == [{"a": 1}]
+  assert run_lib.read_rows(path, repair=True) == [{"a": 1}]
+  assert path.read_text() == '{"a": 1}\n'  # the next row starts its own line
+  path.write_text('{"a": 1}\nnot json\n{"a": 2}\n')
+  with pytest.raises(ValueError, match="line 2: not a JSON row"):
+    run_lib.read_rows(path)
 
 
 def test_unknown_variant():
