@@ -196,6 +196,8 @@ def test_acceptance_rate_is_expected_overlap():
     (dict(distill="fkl"), "needs config.teacher"),
     (dict(export_dtype="int8"), "floating dtype"),
     (dict(b2=1.0), "config.b2"),
+    (dict(tokenizer="/nonexistent/tok.json"), "config.tokenizer names no file"),
+    (dict(vocab_size=0), r"config.vocab_size must be an int in \[258"),
 ])
 def test_a_bad_config_fails_before_anything_is_written(corpus_dir, tmp_path, overrides, message):
   with pytest.raises(ValueError, match=message):
@@ -235,6 +237,50 @@ def test_an_export_over_another_kind_of_checkpoint_is_refused(corpus_dir, tmp_pa
     train_lib.train(_tiny_config(corpus_dir, export_dir=str(tmp_path / "elsewhere")),
                     tmp_path / "run")
   assert not (tmp_path / "run").exists()
+
+
+def test_an_export_replaces_only_this_workdirs_own(corpus_dir, tmp_path, monkeypatch):
+  """A shipped name is its folder (the teacher's own directory is refused however it is
+  named), and a checkpoint another run exported is never written over."""
+  shipped = tmp_path / "shipped"
+  model = init_model(TINY)
+  checkpoint.save_model(shipped / "stdlib-target", model.config, model.params)
+  monkeypatch.setenv("SPECJAX_CHECKPOINTS", str(shipped))
+  config = _tiny_config(corpus_dir, teacher="stdlib-target",
+                        export_dir=str(shipped / "stdlib-target"))
+  with pytest.raises(ValueError, match="the teacher's own directory"):
+    train_lib.check_export_dir(config, tmp_path / "run")
+  config = _tiny_config(corpus_dir, export_dir=str(shipped / "stdlib-target"))
+  with pytest.raises(ValueError, match="this workdir did not export .no workdir recorded"):
+    train_lib.check_export_dir(config, tmp_path / "run")
+  mine = tmp_path / "mine"
+  checkpoint.save_model(mine, model.config, model.params,
+                        metadata={"workdir": str((tmp_path / "run").resolve())})
+  config = _tiny_config(corpus_dir, export_dir=str(mine))
+  assert train_lib.check_export_dir(config, tmp_path / "run") == mine.resolve()
+  with pytest.raises(ValueError, match=f"did not export .from {tmp_path / 'run'}"):
+    train_lib.check_export_dir(config, tmp_path / "other")
+
+
+def test_a_workdir_is_not_a_model_and_keeps_no_stale_caches(corpus_dir, tmp_path):
+  model_dir = tmp_path / "model"
+  checkpoint.save_model(model_dir, init_model(TINY).config, init_model(TINY).params)
+  with pytest.raises(ValueError, match="is a model directory"):
+    train_lib.start_workdir(model_dir, _tiny_config(corpus_dir))
+  assert not (model_dir / "config.json").exists()
+  # A run that stopped before its first checkpoint, under another corpus: its tokenizer
+  # and token caches are made again, not reused for this config.
+  run = tmp_path / "run"
+  run.mkdir()
+  (run / "config.json").write_text(_tiny_config("elsewhere").to_json_best_effort())
+  for name in train_lib.DERIVED_FILES:
+    (run / name).write_text("stale")
+  train_lib.start_workdir(run, _tiny_config(corpus_dir))
+  assert not any((run / name).exists() for name in train_lib.DERIVED_FILES)
+  for name in train_lib.DERIVED_FILES:  # the same config again: kept
+    (run / name).write_text("kept")
+  train_lib.start_workdir(run, _tiny_config(corpus_dir))
+  assert all((run / name).exists() for name in train_lib.DERIVED_FILES)
 
 
 def test_metrics_cut_short_by_a_crash_are_dropped(tmp_path):

@@ -257,7 +257,7 @@ def run(config, workdir: Path, target, train_stream, heldout_stream) -> heads_li
 
   meta = {"train_steps": config.steps, "train_tokens": config.steps * tokens_per_step,
           "train_wall_s": round(elapsed, 1), "target": config.teacher, "corpus": config.corpus,
-          "heldout_alpha": {k: v for k, v in final.items()}}
+          "heldout_alpha": {k: v for k, v in final.items()}, "workdir": str(workdir)}
   head = heads_lib.Head(hc, params, heads_lib.target_fingerprint(target.config, target.params),
                         meta)
   export_dir = Path(config.export_dir) if config.export_dir else workdir / "head"

@@ -244,6 +244,8 @@ def validate(config) -> None:
        "must be in [0, 1]")
   if config.export_dtype:
     model_lib.float_dtype(config.export_dtype)  # ValueError naming it
+  if config.get("tokenizer"):
+    need(Path(config.tokenizer).expanduser().is_file(), "tokenizer", "names no file")
   if config.get("head"):
     return  # the head's own fields (its loss weights are not a mix): `heads.validate`
   need(is_num(config.distill_weight) and 0 <= config.distill_weight <= 1, "distill_weight",
@@ -256,6 +258,10 @@ def validate(config) -> None:
   except TypeError as e:  # an unknown field
     raise ValueError(f"config.model: {e}") from e
   need(config.seq_len <= cfg.max_len, "seq_len", f"must be <= the model's max_len {cfg.max_len}")
+  if not config.tokenizer and not config.teacher:  # a tokenizer is trained: bytes + EOS
+    need(is_int(config.vocab_size) and 258 <= config.vocab_size <= cfg.vocab_size,
+         "vocab_size", f"must be an int in [258, model.vocab_size={cfg.vocab_size}] (256 "
+         "bytes, end-of-text and merges)")
 
 
 def check_resume(workdir: Path, config) -> None:
@@ -278,12 +284,32 @@ def check_resume(workdir: Path, config) -> None:
                      f"{sorted(RESUMABLE_FIELDS)}); use a new workdir")
 
 
+# What a run derives from its config and keeps beside it; without checkpoints they are
+# made again, so a changed config (another corpus, tokenizer) never reuses them.
+DERIVED_FILES = ("tokenizer.json", "tokens_train.npy", "tokens_heldout.npy")
+
+
 def start_workdir(workdir, config) -> Path:
   """The resolved workdir, checked against `config` and holding its config.json."""
   if not str(workdir).strip():
     raise ValueError("workdir must be a directory path, got an empty string")
   workdir = Path(workdir).expanduser().resolve()
+  for marker in (checkpoint_lib.MANIFEST, "head.json"):
+    if (workdir / marker).is_file():
+      raise ValueError(f"workdir {workdir} is a model directory ({marker}); a run writes "
+                       "its config, caches and checkpoints there: use another workdir")
   check_resume(workdir, config)
+  saved = workdir / "config.json"
+  if saved.is_file() and not (workdir / "checkpoints").is_dir():
+    try:
+      same = json.loads(saved.read_text()) == json.loads(config.to_json_best_effort())
+    except (ValueError, OSError):
+      same = False
+    if not same:  # an earlier run of another config stopped before its first checkpoint
+      for name in DERIVED_FILES:
+        if (workdir / name).is_file():
+          _log(f"note: {workdir / name} was made for another config; making it again")
+          (workdir / name).unlink()
   workdir.mkdir(parents=True, exist_ok=True)
   checkpoint_lib._atomic_write(
       workdir / "config.json",
@@ -301,8 +327,23 @@ def check_export_dir(config, workdir, default: str = "model",
     if other != marker and (path / other).is_file():
       raise ValueError(f"config.export_dir: {path} holds another kind of checkpoint "
                        f"({other}); export elsewhere")
-  if config.teacher and Path(config.teacher).expanduser().resolve() == path:
-    raise ValueError(f"config.export_dir: {path} is the teacher's own directory")
+  if config.teacher:
+    from specjax.models import pretrained
+    try:
+      teacher = pretrained._locate(config.teacher)  # a shipped name is its folder
+    except ValueError:
+      teacher = None  # the teacher's own loader names the problem
+    if isinstance(teacher, Path) and teacher.expanduser().resolve() == path:
+      raise ValueError(f"config.export_dir: {path} is the teacher's own directory")
+  if (path / marker).is_file():  # only this workdir's own export is replaced
+    try:
+      written_by = json.loads((path / marker).read_text()).get("metadata", {}).get("workdir")
+    except (ValueError, OSError, AttributeError):
+      written_by = None
+    if written_by != str(Path(workdir).expanduser().resolve()):
+      raise ValueError(f"config.export_dir: {path} holds a checkpoint this workdir did not "
+                       f"export ({'from ' + written_by if written_by else 'no workdir recorded'}"
+                       "); export elsewhere or remove it first")
   return path
 
 
@@ -492,7 +533,7 @@ def train(config, workdir: str | os.PathLike) -> model_lib.Model:
   meta = {"train_steps": config.steps, "train_tokens": config.steps * tokens_per_step,
           "train_wall_s": round(elapsed, 1), "heldout_loss": final["loss"],
           "heldout_bits_per_byte": final["bits_per_byte"], "corpus": config.corpus,
-          "teacher": config.teacher or None, "distill": distill}
+          "teacher": config.teacher or None, "distill": distill, "workdir": str(workdir)}
   checkpoint_lib.save_model(export_dir, cfg, params, tok,
                             dtype=jnp.dtype(config.export_dtype) if config.export_dtype else None,
                             metadata=meta)
