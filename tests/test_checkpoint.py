@@ -60,6 +60,14 @@ def test_bfloat16_storage_round_trips_its_bits(tmp_path):
   _assert_bit_equal(widened, jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), as_bf16))
   checkpoint.save_model(tmp_path / "f32", model.config, model.params)
   assert (tmp_path / "params.npz").stat().st_size < (tmp_path / "f32" / "params.npz").stat().st_size
+  manifest = json.loads((tmp_path / "model.json").read_text())
+  for other in ("float16", "int16"):  # bfloat16's width, not its bits
+    for spec in manifest["params"].values():
+      spec["dtype"] = other
+    (tmp_path / "model.json").write_text(json.dumps(manifest))
+    with pytest.raises(checkpoint.CheckpointError, match=f"uint16, which cannot be read as "
+                                                          f"the manifest's {other}"):
+      checkpoint.load_params(tmp_path)
 
 
 def test_tokenizer_travels_with_the_model(tmp_path):
@@ -177,6 +185,12 @@ def test_abstract_params_describe_the_real_ones():
     (lambda m: [v.update(dtype="float64") for v in m["params"].values()],
      "cannot be read as|has shape"),
     (lambda m: m["config"].update(n_kv_heads=0), "config is invalid.*n_kv_heads"),
+    # The same width, other bits: read as those bits, every weight would be wrong.
+    (lambda m: [v.update(dtype="int32") for v in m["params"].values()],
+     "stored as float32, which cannot be read as the manifest's int32"),
+    (lambda m: m["config"].update(norm_eps=-1.0), "config is invalid.*norm_eps"),
+    (lambda m: m["config"].update(rope_theta=0), "config is invalid.*rope_theta"),
+    (lambda m: m["config"].update(tie_embeddings="false"), "config is invalid.*tie_embeddings"),
 ])
 def test_a_hand_edited_manifest_names_what_is_wrong(saved, edit, message):
   manifest = json.loads((saved / "model.json").read_text())

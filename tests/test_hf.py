@@ -435,6 +435,12 @@ def test_weights_the_config_does_not_explain_are_refused(checkpoints, tmp_path):
     ("llama3", {"rope_parameters": {**LLAMA3_ROPE, "beta_fast": 32}}, "beta_fast"),
     ("qwen3", {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
     ("llama", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    # Values a hand edit gets wrong: read as they were, the model would be another one.
+    ("llama", {"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false"),
+    ("gpt2", {"tie_word_embeddings": 0}, "tie_word_embeddings must be true or false"),
+    ("llama", {"rms_norm_eps": -1.0}, "norm_eps must be a finite number > 0"),
+    ("mistral", {"sliding_window": 0}, "sliding_window must be a positive int, got 0"),
+    ("mistral", {"sliding_window": "x"}, "sliding_window must be a positive int, got 'x'"),
 ])
 def test_unsupported_architectures_are_refused(checkpoints, tmp_path, name, changes, message):
   directory = _copy(checkpoints[name][0], tmp_path)

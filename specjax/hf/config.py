@@ -62,7 +62,7 @@ def _gpt2_config(hf: dict) -> ModelConfig:
       d_ff=n_inner or None, norm="layernorm",
       norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), position="learned", mlp="gelu",
       qkv_bias=True, out_bias=True, mlp_bias=True,
-      tie_embeddings=bool(hf.get("tie_word_embeddings", True)))
+      tie_embeddings=_flag(hf, "tie_word_embeddings", True))
 
 
 def _rope(hf: dict, model_type: str, max_position: int) -> tuple[float, dict | None]:
@@ -101,10 +101,28 @@ def _rope(hf: dict, model_type: str, max_position: int) -> tuple[float, dict | N
   return theta, {"rope_type": rope_type, **scaling}
 
 
+def _flag(hf: dict, key: str, default: bool) -> bool:
+  """A JSON boolean; ValueError for anything else ("false" is not False)."""
+  value = hf.get(key, default)
+  if value is None:
+    return default
+  if not isinstance(value, bool):
+    raise ValueError(f"config.json {key} must be true or false, got {value!r}")
+  return value
+
+
 def _sliding_window(hf: dict, model_type: str, n_layers: int) -> int | None:
-  """The attention window if any layer uses one, else None."""
+  """The attention window if any layer uses one, else None; ValueError if not an int >= 1."""
+  window = _any_window(hf, model_type, n_layers)
+  if window is not None and (not isinstance(window, int) or isinstance(window, bool)
+                             or window < 1):
+    raise ValueError(f"{model_type} sliding_window must be a positive int, got {window!r}")
+  return window
+
+
+def _any_window(hf: dict, model_type: str, n_layers: int) -> int | None:
   if model_type in ("qwen2", "qwen3"):
-    if not hf.get("use_sliding_window", False):
+    if not _flag(hf, "use_sliding_window", False):
       return None
     layer_types = hf.get("layer_types")
     if layer_types is not None:
@@ -139,8 +157,8 @@ def _llama_config(hf: dict) -> ModelConfig:
   if model_type == "qwen2":  # q/k/v carry biases, the output projection does not
     qkv_bias, out_bias, mlp_bias = True, False, False
   elif model_type in ("llama", "qwen3"):
-    qkv_bias = out_bias = bool(hf.get("attention_bias", False))
-    mlp_bias = model_type == "llama" and bool(hf.get("mlp_bias", False))
+    qkv_bias = out_bias = _flag(hf, "attention_bias", False)
+    mlp_bias = model_type == "llama" and _flag(hf, "mlp_bias", False)
   else:
     qkv_bias = out_bias = mlp_bias = False
   return ModelConfig(
@@ -151,7 +169,7 @@ def _llama_config(hf: dict) -> ModelConfig:
       norm="rmsnorm", norm_eps=float(hf.get("rms_norm_eps", 1e-6)), position="rope",
       rope_theta=rope_theta, rope_scaling=rope_scaling, mlp="swiglu", qkv_bias=qkv_bias,
       out_bias=out_bias, mlp_bias=mlp_bias, qk_norm=model_type == "qwen3",
-      tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+      tie_embeddings=_flag(hf, "tie_word_embeddings", False))
 
 
 def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:

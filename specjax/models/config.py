@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import json
 import numbers
 from typing import Any
@@ -89,8 +90,17 @@ class ModelConfig:
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_len"):
       value = getattr(self, name)
-      if not isinstance(value, int) or value < 1:
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+    for name in ("norm_eps", "rope_theta"):  # eps <= 0 gives NaNs; theta <= 0 no rotation
+      value = getattr(self, name)
+      if (not isinstance(value, (int, float)) or isinstance(value, bool)
+          or not 0 < value < math.inf):
+        raise ValueError(f"ModelConfig.{name} must be a finite number > 0, got {value!r}")
+    for name in ("qkv_bias", "out_bias", "mlp_bias", "tie_embeddings", "qk_norm"):
+      if not isinstance(getattr(self, name), bool):  # "false" would read as True
+        raise ValueError(f"ModelConfig.{name} must be True or False, got "
+                         f"{getattr(self, name)!r}")
     if self.norm not in ("layernorm", "rmsnorm"):
       raise ValueError(f"ModelConfig.norm must be 'layernorm' or 'rmsnorm', got {self.norm!r}")
     if self.position not in ("learned", "rope"):
