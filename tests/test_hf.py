@@ -23,6 +23,7 @@ from safetensors.numpy import load_file, save_file  # noqa: E402
 
 import specjax  # noqa: E402
 from specjax import hf  # noqa: E402
+from specjax.models import checkpoint  # noqa: E402
 from specjax.models.config import ModelConfig  # noqa: E402
 from specjax.models.model import Model, init_model, rope_frequencies  # noqa: E402
 from specjax.models.tokenizer import Tokenizer  # noqa: E402
@@ -453,6 +454,19 @@ def test_sliding_window_caps_max_len(checkpoints, tmp_path):
   directory = _copy(checkpoints["mistral"][0], tmp_path)
   _edit_config(directory, sliding_window=16)
   assert hf.load_hf_model(directory).config.max_len == 16
+
+
+def test_export_replaces_only_an_earlier_export(tmp_path):
+  cfg = ModelConfig.llama(vocab_size=32, d_model=16, n_layers=1, n_heads=2, max_len=8)
+  model = init_model(cfg)
+  checkpoint.save_model(tmp_path / "ours", model.config, model.params)
+  with pytest.raises(ValueError, match=r"holds files an export does not write \(model.json, params.npz\)"):
+    hf.export_hf(model, tmp_path / "ours")
+  assert hf.load_hf_model(hf.export_hf(model, tmp_path / "out")).config == cfg
+  (tmp_path / "out" / "tokenizer.json").write_text("{}")  # as from a model with one
+  hf.export_hf(model, tmp_path / "out")  # again, a model without: no stale tokenizer
+  assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json",
+                                                                  "model.safetensors"]
 
 
 def test_export_refuses_configs_transformers_cannot_run(tmp_path):

@@ -231,6 +231,9 @@ def _tokenizer_saver(tokenizer):
   return None
 
 
+EXPORTED = ("config.json", "model.safetensors", "tokenizer.json")
+
+
 def export_hf(model: Model, out_dir: str | os.PathLike) -> Path:
   """Writes `model` as a Hugging Face directory transformers loads with AutoModelForCausalLM.
 
@@ -238,7 +241,8 @@ def export_hf(model: Model, out_dir: str | os.PathLike) -> Path:
   Qwen2ForCausalLM for q/k/v biases without an output bias, Qwen3ForCausalLM for q/k
   norms). Writes config.json, model.safetensors and, when the model has a tokenizer,
   tokenizer.json. Returns the directory. Raises ValueError for configs no transformers
-  architecture computes.
+  architecture computes and for a directory holding files other than an earlier
+  export's.
   """
   if not isinstance(model, Model):
     raise ValueError(f"export_hf expects a specjax Model, got {type(model).__name__}")
@@ -263,7 +267,17 @@ def export_hf(model: Model, out_dir: str | os.PathLike) -> Path:
 
   from safetensors.numpy import save_file
   out = Path(out_dir)
+  if out.exists() and not out.is_dir():
+    raise ValueError(f"export_hf: {out} is a file")
+  # Only an earlier export's own files are replaced: anything else (a specjax checkpoint,
+  # sharded weights, torch files) would be loaded beside or instead of the new weights.
+  others = sorted(p.name for p in out.iterdir() if p.name not in EXPORTED) if out.exists() else []
+  if others:
+    raise ValueError(f"export_hf: {out} holds files an export does not write ({', '.join(others)}); "
+                     "export into a new or empty directory")
   out.mkdir(parents=True, exist_ok=True)
+  if save_tokenizer is None and (out / "tokenizer.json").is_file():
+    (out / "tokenizer.json").unlink()  # an earlier export's: this model has none
   (out / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
   # transformers refuses safetensors files without format metadata.
   save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
