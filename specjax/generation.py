@@ -327,6 +327,9 @@ def _stop_table(target: Model, eos_id, stop_sequences):
   strings = []
   if isinstance(stop_sequences, (str, bytes)):  # one stop string, not a list of characters
     stop_sequences = [stop_sequences]
+  if stop_sequences is not None and not isinstance(stop_sequences, Sequence):
+    raise ValueError("stop_sequences must be a list of strings or token-id lists, got "
+                     f"{stop_sequences!r}")
   for i, stop in enumerate([] if stop_sequences is None else list(stop_sequences)):
     if isinstance(stop, (str, bytes)):
       if target.tokenizer is None:
@@ -360,6 +363,9 @@ def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p
             constraint=None, verify_rule="exact", rule_params=None, gamma_policy="fixed",
             draft_confidence=None, draft_cost=None) -> Prepared:
   """Validates everything and returns the engine's static and traced arguments."""
+  if not isinstance(target, Model):
+    kind = "a draft head" if isinstance(target, heads_lib.Head) else type(target).__name__
+    raise ValueError(f"target must be a specjax Model (load_pretrained(name)), got {kind}")
   prompts = check_prompts(prompts, target)
   batch = len(prompts)
   max_new_tokens = checks.int_at_least("max_new_tokens", max_new_tokens, 1)
@@ -617,6 +623,8 @@ def stream(target: Model, prompts, *, rounds_per_chunk: int = 1, seed: int = 0,
         print(chunk.texts[0], end="", flush=True)
   """
   rounds = checks.int_at_least("rounds_per_chunk", rounds_per_chunk, 1)
+  if rounds > 2 ** 30:  # the round limit is an int32 in the compiled loop
+    raise ValueError(f"rounds_per_chunk must be <= 2**30, got {rounds}")
   key = seed_key(_check_seed(seed))
   params = inspect.signature(generate).parameters
   unknown = sorted(set(kwargs) - set(params) | set(kwargs) & {"target", "prompts"})

@@ -126,6 +126,8 @@ class BadInputTest(parameterized.TestCase):
       ("flat_stops", dict(stop_sequences=[3, 4]), "stop sequence 0"),
       ("seed_negative", dict(seed=-1), "seed"),
       ("seed_huge", dict(seed=2 ** 40), "seed"),
+      ("stops_not_a_list", dict(stop_sequences=5), "stop_sequences must be a list"),
+      ("bias_not_a_dict", dict(logit_bias=5), "logit_bias must be a dict"),
   )
   def test_raises_before_any_work(self, kwargs, message):
     model = tiny_model(vocab=16, max_len=64)
@@ -134,6 +136,14 @@ class BadInputTest(parameterized.TestCase):
     prompts = args.pop("prompts")
     with self.assertRaisesRegex(ValueError, message):
       specjax.generate(model, prompts, **args)
+
+  def test_a_target_that_is_not_a_model(self):
+    with self.assertRaisesRegex(ValueError, "target must be a specjax Model.*got str"):
+      specjax.generate("stdlib-target", [[1, 2]])
+    with self.assertRaisesRegex(ValueError, "target must be a specjax Model.*a draft head"):
+      specjax.generate(specjax.load_pretrained("stdlib-eagle"), [[1, 2]])
+    with self.assertRaisesRegex(ValueError, "regex needs the target's tokenizer"):
+      specjax.constraints.regex("ab", tiny_model(vocab=16).tokenizer)
 
 
 def test_seed_key_is_prng_key():
@@ -234,7 +244,8 @@ def test_stream_hands_out_what_generate_returns(stream_pair):
     (dict(rounds_per_chunk=0), "rounds_per_chunk"),
     (dict(temperature=-1.0), "temperature"),
     (dict(mesh=object()), "mesh"),
-    (dict(seed=2 ** 32), "seed")])
+    (dict(seed=2 ** 32), "seed"),
+    (dict(rounds_per_chunk=2 ** 40), r"rounds_per_chunk must be <= 2\*\*30")])
 def test_stream_refuses_bad_input_before_anything_runs(stream_pair, kw, message):
   with pytest.raises(ValueError, match=message):
     specjax.stream(stream_pair[0], [[1, 2]], **kw)

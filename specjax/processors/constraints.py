@@ -73,6 +73,9 @@ class TokenAutomaton:
 
 def regex(pattern: str, tokenizer) -> TokenAutomaton:
   """The automaton of token sequences whose decoded text matches `pattern` in full."""
+  if tokenizer is None:
+    raise ValueError("constraints.regex needs the target's tokenizer (target.tokenizer), "
+                     "which maps the pattern's text onto tokens; got None")
   import interegular
 
   try:

@@ -369,6 +369,9 @@ def _bias_table(logit_bias, batch, vocab):
   """{token_id: bias} for every row, or one dict per row -> float[B, V]; None stays None."""
   if logit_bias is None:
     return None
+  if not isinstance(logit_bias, (dict, list, tuple)):
+    raise ValueError(f"logit_bias must be a dict {{token_id: bias}} or one dict per prompt, "
+                     f"got {logit_bias!r}")
   per_row = [logit_bias] * batch if isinstance(logit_bias, dict) else list(logit_bias)
   if len(per_row) != batch or not all(isinstance(d, dict) for d in per_row):
     raise ValueError(f"logit_bias must be a dict {{token_id: bias}} or one dict per prompt "
