@@ -79,6 +79,13 @@ class Tree:
   @classmethod
   def from_paths(cls, paths) -> "Tree":
     """Medusa-style choices: each path lists child ranks from the root."""
+    try:
+      ok = all(isinstance(r, (int, np.integer)) and not isinstance(r, bool)
+               for p in paths for r in p)
+    except TypeError:
+      ok = False
+    if not ok:
+      raise ValueError(f"tree paths must be tuples of int child ranks, got {paths!r}")
     paths = sorted({tuple(int(r) for r in p) for p in paths}, key=lambda p: (len(p), p))
     if not paths or any(not p or min(p) < 0 for p in paths):
       raise ValueError("tree paths must be non-empty tuples of child ranks >= 0")
@@ -87,6 +94,11 @@ class Tree:
     for p in paths:
       if len(p) > 1 and p[:-1] not in index:
         raise ValueError(f"tree path {p} needs its parent path {p[:-1]} too")
+      # A node's rank is its place among its siblings: rank r needs ranks 0..r-1 beside
+      # it (a lone (1,) would otherwise draft the first candidate, not the second).
+      if p[-1] > 0 and p[:-1] + (p[-1] - 1,) not in index:
+        raise ValueError(f"tree path {p} needs its sibling {p[:-1] + (p[-1] - 1,)} too "
+                         "(child ranks count from 0)")
       index[p] = len(parents)
       parents.append(index[p[:-1]] if len(p) > 1 else -1)
     return cls(tuple(parents))

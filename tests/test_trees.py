@@ -420,6 +420,9 @@ class BadInputTest(parameterized.TestCase):
   @parameterized.named_parameters(
       ("zero_branch", dict(tree=(2, 0)), "branching"),
       ("bad_paths", dict(tree=[(0, 1)]), "parent path"),
+      ("rank_without_first", dict(tree=[(1,)]), r"\(1,\) needs its sibling \(0,\)"),
+      ("rank_gap", dict(tree=[(0,), (2,)]), r"\(2,\) needs its sibling \(1,\)"),
+      ("float_rank", dict(tree=[(0.9,)]), "int child ranks"),
       ("no_drafter", dict(tree=(2, 2), draft=None), "needs a drafter"),
       ("gamma_disagrees", dict(tree=(2, 2), gamma=3), "depth 2"),
       ("lossy_rule", dict(tree=(2, 2), verify_rule="typical"), "exact rule only"),
