@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -186,12 +187,46 @@ def make_drafter(target: Model, draft: Model | None, drafter: str | None, gamma:
   if draft.config.vocab_size != target.config.vocab_size:
     raise ValueError(f"draft and target vocabularies differ: draft vocab_size="
                      f"{draft.config.vocab_size}, target vocab_size={target.config.vocab_size}")
+  _check_same_tokens(draft.tokenizer, target.tokenizer, target.config.vocab_size)
   if draft_sample not in DRAFT_SAMPLE_MODES:
     raise ValueError(f"draft_sample must be one of {DRAFT_SAMPLE_MODES}, got {draft_sample!r}")
   if tree is not None:
     return trees.TreeModelDrafter(config=draft.config, gamma=gamma, sample_mode=draft_sample,
                                   tree=tree)
   return drafters_lib.ModelDrafter(config=draft.config, gamma=gamma, sample_mode=draft_sample)
+
+
+# Draft tokenizers seen to agree with a target's (a check costs ~0.5 ms: once per pair).
+_AGREE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+TOKEN_PROBES = 48
+
+
+def _check_same_tokens(draft_tok, target_tok, vocab: int) -> None:
+  """ValueError where both models carry tokenizers that read ids differently: the same
+  vocabulary size with other tokens would draft tokens the target never meant. Compares
+  the text of `TOKEN_PROBES` ids spread over the vocabulary."""
+  if draft_tok is None or target_tok is None or draft_tok is target_tok:
+    return
+  try:
+    seen = _AGREE.setdefault(draft_tok, weakref.WeakSet())
+  except TypeError:  # not weakly referenceable: check every time
+    seen = weakref.WeakSet()
+  if target_tok in seen:
+    return
+  for i in np.unique(np.linspace(0, vocab - 1, TOKEN_PROBES).astype(int)).tolist():
+    a, b = _token_text(draft_tok, i), _token_text(target_tok, i)
+    if a != b:
+      raise ValueError(f"draft and target tokenizers differ: token {i} is {a!r} in the "
+                       f"draft's and {b!r} in the target's (one vocabulary size, not one "
+                       "vocabulary)")
+  seen.add(target_tok)
+
+
+def _token_text(tokenizer, i: int):
+  try:
+    return tokenizer.decode([i])
+  except Exception:  # an id past the tokenizer's own table (a padded embedding) # noqa: BLE001
+    return None
 
 
 def make_policy(kind, confidence, draft_cost, drafter) -> policies.GammaPolicy:

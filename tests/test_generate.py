@@ -1,5 +1,7 @@
 """Autoregressive `specjax.generate`: greedy oracle, stops, one compile per sweep, bad input."""
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -211,6 +213,24 @@ def stream_pair():
   target = tiny_model(vocab=12, n_layers=2, seed=3)
   target.tokenizer = _ByteTokenizer()
   return target, tiny_model(vocab=12, n_layers=1, seed=9)
+
+
+def test_a_draft_with_another_tokenizer_is_refused(stream_pair):
+  """One vocabulary size is not one vocabulary: the draft would propose other tokens."""
+  target, draft = stream_pair
+
+  class Shifted(_ByteTokenizer):
+    BYTES = _ByteTokenizer.BYTES[1:] + _ByteTokenizer.BYTES[:1]
+
+  draft.tokenizer = Shifted()
+  try:
+    with pytest.raises(ValueError, match=re.escape(
+        "draft and target tokenizers differ: token 0 is '\ufffd' in the draft's and 'a'")):
+      specjax.generate(target, [[1, 2]], draft=draft, gamma=2, max_new_tokens=2)
+    draft.tokenizer = _ByteTokenizer()  # another object, the same tokens: fine
+    specjax.generate(target, [[1, 2]], draft=draft, gamma=2, max_new_tokens=2)
+  finally:
+    draft.tokenizer = None
 
 
 def test_stream_hands_out_what_generate_returns(stream_pair):
