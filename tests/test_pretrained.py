@@ -101,6 +101,12 @@ def test_hugging_face_dirs_and_hub_ids_go_to_specjax_hf(tmp_path, monkeypatch):
                    ("org/some-model", jnp.float32, None)]
 
 
+@pytest.mark.parametrize("name", [None, "", "  ", 3])
+def test_no_name_is_refused(name):  # "" would have been the current directory
+  with pytest.raises(ValueError, match="expected a model name"):
+    pretrained.load_pretrained(name)
+
+
 def test_a_missing_directory_is_named(tmp_path):
   with pytest.raises(ValueError, match=f"no directory {tmp_path}/a/b/c"):
     pretrained.load_pretrained(tmp_path / "a" / "b" / "c")

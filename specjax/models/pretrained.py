@@ -88,6 +88,8 @@ def load_pretrained(name_or_path: str | os.PathLike, dtype=jnp.float32, mesh=Non
 def _locate(name_or_path) -> Path | str:
   """The model directory a name means, or the name itself for a hub id; raises for
   a name that names nothing loadable."""
+  if not isinstance(name_or_path, (str, os.PathLike)) or not os.fspath(name_or_path).strip():
+    raise ValueError(f"expected a model name, directory or hub id, got {name_or_path!r}")
   name = os.fspath(name_or_path)
   if name in KNOWN:
     path = checkpoints_dir() / name
