@@ -111,6 +111,9 @@ def validate(cfg) -> None:
     fail("top_k", "must be an int >= 0")
   if not isinstance(cfg.get("call_costs", False), bool):
     fail("call_costs", "must be True or False")
+  if cfg.get("call_costs", False) and cfg.max_new_tokens < 2:  # one round: no round cost
+    fail("max_new_tokens", "must be >= 2 with call_costs (a call's round cost is measured "
+         "from calls stopped after 1 round and after more)")
   if cfg.draft_sample not in ("probabilistic", "greedy"):
     fail("draft_sample", "must be 'probabilistic' or 'greedy'")
 

@@ -209,6 +209,14 @@ def test_a_workdir_of_other_settings_is_refused_and_kept(smoke, tmp_path):
   assert before == {p.name: p.read_bytes() for p in copy.iterdir()}
 
 
+def test_call_costs_need_two_rounds(tmp_path):
+  cfg = sweep_config.get_config("smoke")
+  cfg.update(call_costs=True, max_new_tokens=1)
+  with pytest.raises(ValueError, match=r"config.max_new_tokens: must be >= 2 with call_costs"):
+    run_lib.run_sweep(cfg, tmp_path)
+  assert not (tmp_path / "config.json").exists()
+
+
 def test_a_cut_last_row_runs_again_and_a_bad_one_is_named(tmp_path):
   path = tmp_path / "results.jsonl"
   path.write_text('{"a": 1}\n{"a": 2, "b"')  # stopped while writing
