@@ -450,6 +450,18 @@ def test_unsupported_architectures_are_refused(checkpoints, tmp_path, name, chan
     hf.load_hf_model(directory)
 
 
+def test_overwritten_weight_bytes_are_refused(checkpoints, tmp_path):
+  """safetensors has no checksum: bytes overwritten at the file's end read as NaNs."""
+  directory = _copy(checkpoints["llama"][0], tmp_path)
+  weights = directory / "model.safetensors"
+  data = bytearray(weights.read_bytes())
+  data[-64:] = b"\xff" * 64
+  weights.write_bytes(bytes(data))
+  for dtype in ("float32", "bfloat16"):
+    with pytest.raises(ValueError, match="holds NaN or inf values"):
+      hf.load_hf_model(directory, dtype=dtype)
+
+
 def test_sliding_window_caps_max_len(checkpoints, tmp_path):
   directory = _copy(checkpoints["mistral"][0], tmp_path)
   _edit_config(directory, sliding_window=16)

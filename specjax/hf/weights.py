@@ -188,6 +188,12 @@ def params_from_hf(cfg: ModelConfig, model_type: str, tensors, dtype=jnp.float32
   params: Params = {}
   for slot in slots:
     arrays = [tensors.load(name).astype(dt, copy=False) for name, _ in slot.sources]
+    for (name, _), a in zip(slot.sources, arrays):
+      # safetensors files carry no checksum: overwritten bytes read as NaN or inf, and
+      # every logit with them (a forward would emit token 0 on and on).
+      if not np.isfinite(a).all():
+        raise ValueError(f"{where}: tensor {name!r} holds NaN or inf values (a corrupt or "
+                         "cut-short weight file?)")
     array = assemble(slot.layout, arrays)  # host=True: numpy, for `specjax.shard`
     _set(params, slot.path, np.ascontiguousarray(array) if host else jnp.asarray(array))
   # The table and the module tree must agree leaf for leaf; a mismatch is a bug here.
