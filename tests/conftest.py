@@ -22,16 +22,17 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
                     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                     JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
-# The slowest files first (seconds per file in a 2-worker run, 2026-12-03 07:42, 594 tests
-# in 9 min 59 s: trees 224, notebooks 117, processors 109, heads 94, speculative 78,
-# sharding 75, cpu_kernels 62, experiments 61, policies 46, stop_strings 43, model 42,
-# hf 39; the other 14 files 132 together). setup.cfg keeps this order
+# The slowest files first (seconds per file in a 2-worker run, 2026-12-03 10:18, 637 tests
+# in 11 min 4 s: trees 222, notebooks 132, speculative 117, processors 96, sharding 89,
+# experiments 79, heads 79, cpu_kernels 77, policies 63, stop_strings 50, generate 43,
+# hf 38, model 37; the other 13 files 127 together). setup.cfg keeps this order
 # (--no-loadscope-reorder) and gives each worker one file at a time, so the two workers
 # take the longest files first and finish within seconds of each other.
-SLOWEST_FILES_FIRST = ("test_trees.py", "test_notebooks.py", "test_processors.py",
-                       "test_heads.py", "test_speculative.py", "test_sharding.py",
-                       "test_cpu_kernels.py", "test_experiments.py", "test_policies.py",
-                       "test_stop_strings.py", "test_model.py", "test_hf.py")
+SLOWEST_FILES_FIRST = ("test_trees.py", "test_notebooks.py", "test_speculative.py",
+                       "test_processors.py", "test_sharding.py", "test_experiments.py",
+                       "test_heads.py", "test_cpu_kernels.py", "test_policies.py",
+                       "test_stop_strings.py", "test_generate.py", "test_hf.py",
+                       "test_model.py")
 
 
 def pytest_collection_modifyitems(config, items):
