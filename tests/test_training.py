@@ -283,6 +283,15 @@ def test_a_workdir_is_not_a_model_and_keeps_no_stale_caches(corpus_dir, tmp_path
   assert all((run / name).exists() for name in train_lib.DERIVED_FILES)
 
 
+def test_a_corpus_too_short_for_a_window_is_not_cached(tmp_path):
+  (tmp_path / "empty.txt").write_text("")
+  run = tmp_path / "run"
+  with pytest.raises(ValueError, match=r"config.corpus: its \w+ split holds \d+ tokens, fewer "
+                                       r"than one window of seq_len \+ 1 = 33"):
+    train_lib.train(_tiny_config(tmp_path / "empty.txt", seq_len=32), run)
+  assert not list(run.glob("tokens_*.npy"))  # a fuller file at that path is read afresh
+
+
 def test_metrics_cut_short_by_a_crash_are_dropped(tmp_path):
   path = tmp_path / "metrics.jsonl"
   path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"ste')

@@ -376,8 +376,9 @@ def _prepare_tokenizer(config, workdir: Path, corpus, teacher) -> Tokenizer:
   return tok
 
 
-def _token_streams(workdir: Path, corpus, tok: Tokenizer):
-  """Train and held-out streams, cached in the workdir so a resume skips tokenizing."""
+def _token_streams(workdir: Path, corpus, tok: Tokenizer, min_tokens: int = 1):
+  """Train and held-out streams, cached in the workdir so a resume skips tokenizing; a
+  split shorter than `min_tokens` (one training window) fails before it is cached."""
   streams = {}
   for split in ("train", "heldout"):
     cache = workdir / f"tokens_{split}.npy"
@@ -388,6 +389,9 @@ def _token_streams(workdir: Path, corpus, tok: Tokenizer):
       except (ValueError, OSError, EOFError):  # a cache cut short: tokenize again
         _log(f"note: {cache} is unreadable; tokenizing {split} again")
     stream = data_lib.token_stream(tok, corpus.read(split))
+    if len(stream) < min_tokens:
+      raise ValueError(f"config.corpus: its {split} split holds {len(stream)} tokens, fewer "
+                       f"than one window of seq_len + 1 = {min_tokens}")
     tmp = cache.with_name(f"tokens_{split}.tmp.npy")
     np.save(tmp, stream.astype(np.uint16 if tok.vocab_size <= 65536 else np.int32))
     os.replace(tmp, cache)
@@ -440,7 +444,7 @@ def train(config, workdir: str | os.PathLike) -> model_lib.Model:
   export_dir = check_export_dir(config, workdir)
   workdir = start_workdir(workdir, config)
   tok = _prepare_tokenizer(config, workdir, corpus, teacher)
-  train_stream, heldout_stream = _token_streams(workdir, corpus, tok)
+  train_stream, heldout_stream = _token_streams(workdir, corpus, tok, config.seq_len + 1)
   byte_lengths = tok.token_byte_lengths()
   eval_windows = data_lib.eval_windows(heldout_stream, config.seq_len, config.eval_windows)
 
