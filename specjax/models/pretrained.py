@@ -76,13 +76,17 @@ def load_pretrained(name_or_path: str | os.PathLike, dtype=jnp.float32, mesh=Non
   `specjax.models.heads.Head` instead.
   """
   where = _locate(name_or_path)
-  if not isinstance(where, Path):
+  if not isinstance(where, Path) or _is_hf(where):
     from specjax import hf
-    return hf.load_hf_model(where, dtype=dtype, mesh=mesh)
-  if (where / checkpoint_lib.MANIFEST).exists() or _is_head_dir(where) or not _is_hf_dir(where):
-    return _load_dir(where, dtype, mesh)  # a shipped name's own error if it is incomplete
-  from specjax import hf
-  return hf.load_hf_model(os.fspath(where), dtype=dtype, mesh=mesh)
+    return hf.load_hf_model(os.fspath(where), dtype=dtype, mesh=mesh)
+  return _load_dir(where, dtype, mesh)
+
+
+def _is_hf(path: Path) -> bool:
+  """A Hugging Face directory rather than ours (a shipped name's folder that is neither
+  goes to our loader, which says what it lacks)."""
+  return (not (path / checkpoint_lib.MANIFEST).exists() and not _is_head_dir(path)
+          and _is_hf_dir(path))
 
 
 def _locate(name_or_path) -> Path | str:
@@ -124,12 +128,12 @@ def read_config(name_or_path: str | os.PathLike):
   where = _locate(name_or_path)
   if not isinstance(where, Path):
     return None
+  if _is_hf(where):
+    from specjax.hf import config as hf_config, files
+    return hf_config.config_from_hf(files.read_config(where / "config.json"))
   if _is_head_dir(where):
     from specjax.models import heads
     return heads.read_head_config(where)
-  if (where / checkpoint_lib.MANIFEST).exists() or not _is_hf_dir(where):
-    from specjax.models.config import ModelConfig
-    return checkpoint_lib._config(checkpoint_lib.read_manifest(where),
-                                  where / checkpoint_lib.MANIFEST, ModelConfig.from_dict)
-  from specjax.hf import config as hf_config, files
-  return hf_config.config_from_hf(files.read_config(where / "config.json"))
+  from specjax.models.config import ModelConfig
+  return checkpoint_lib._config(checkpoint_lib.read_manifest(where),
+                                where / checkpoint_lib.MANIFEST, ModelConfig.from_dict)
