@@ -260,6 +260,10 @@ def test_an_export_replaces_only_this_workdirs_own(corpus_dir, tmp_path, monkeyp
   assert train_lib.check_export_dir(config, tmp_path / "run") == mine.resolve()
   with pytest.raises(ValueError, match=f"did not export .from {tmp_path / 'run'}"):
     train_lib.check_export_dir(config, tmp_path / "other")
+  # The run's default export (WORKDIR/model) is its own, recorded or not (older runs).
+  checkpoint.save_model(tmp_path / "old" / "model", model.config, model.params)
+  assert (train_lib.check_export_dir(_tiny_config(corpus_dir), tmp_path / "old")
+          == (tmp_path / "old" / "model").resolve())
 
 
 def test_a_workdir_is_not_a_model_and_keeps_no_stale_caches(corpus_dir, tmp_path):
@@ -277,10 +281,10 @@ def test_a_workdir_is_not_a_model_and_keeps_no_stale_caches(corpus_dir, tmp_path
     (run / name).write_text("stale")
   train_lib.start_workdir(run, _tiny_config(corpus_dir))
   assert not any((run / name).exists() for name in train_lib.DERIVED_FILES)
-  for name in train_lib.DERIVED_FILES:  # the same config again: kept
+  for name in train_lib.DERIVED_FILES:  # the same run again (longer): kept
     (run / name).write_text("kept")
-  train_lib.start_workdir(run, _tiny_config(corpus_dir))
-  assert all((run / name).exists() for name in train_lib.DERIVED_FILES)
+  train_lib.start_workdir(run, _tiny_config(corpus_dir, steps=8))
+  assert all((run / name).read_text() == "kept" for name in train_lib.DERIVED_FILES)
 
 
 def test_a_corpus_too_short_for_a_window_is_not_cached(tmp_path):

@@ -75,7 +75,7 @@ def load_pretrained(name_or_path: str | os.PathLike, dtype=jnp.float32, mesh=Non
   A draft-head directory (e.g. 'stdlib-eagle', 'stdlib-medusa') gives a
   `specjax.models.heads.Head` instead.
   """
-  where = _locate(name_or_path)
+  where = locate(name_or_path)
   if not isinstance(where, Path) or _is_hf(where):
     from specjax import hf
     return hf.load_hf_model(os.fspath(where), dtype=dtype, mesh=mesh)
@@ -89,9 +89,9 @@ def _is_hf(path: Path) -> bool:
           and _is_hf_dir(path))
 
 
-def _locate(name_or_path) -> Path | str:
-  """The model directory a name means, or the name itself for a hub id; raises for
-  a name that names nothing loadable."""
+def locate(name_or_path) -> Path | str:
+  """The model directory a name means (a shipped name: its folder), or the name itself
+  for a hub id; raises for a name that names nothing loadable."""
   if not isinstance(name_or_path, (str, os.PathLike)) or not os.fspath(name_or_path).strip():
     raise ValueError(f"expected a model name, directory or hub id, got {name_or_path!r}")
   name = os.fspath(name_or_path)
@@ -125,7 +125,7 @@ def read_config(name_or_path: str | os.PathLike):
   names nothing and for an unreadable manifest or config.json, so a caller can check a
   pair before it reads gigabytes of weights.
   """
-  where = _locate(name_or_path)
+  where = locate(name_or_path)
   if not isinstance(where, Path):
     return None
   if _is_hf(where):

@@ -264,6 +264,13 @@ def validate(config) -> None:
          "bytes, end-of-text and merges)")
 
 
+def _run_fields_differ(saved: dict, config) -> list[str]:
+  """The fields, other than `RESUMABLE_FIELDS`, where `config` differs from a saved one."""
+  new = json.loads(config.to_json_best_effort())
+  return sorted(k for k in set(saved) | set(new)
+                if k not in RESUMABLE_FIELDS and saved.get(k) != new.get(k))
+
+
 def check_resume(workdir: Path, config) -> None:
   """A workdir with checkpoints resumes only the run it holds: ValueError naming the
   fields that differ (other than `RESUMABLE_FIELDS`), before anything is written."""
@@ -275,9 +282,7 @@ def check_resume(workdir: Path, config) -> None:
   except (ValueError, OSError) as e:
     raise ValueError(f"{saved} is unreadable ({e}); it describes the checkpoints in "
                      f"{workdir / 'checkpoints'}: mend it or use a new workdir") from e
-  new = json.loads(config.to_json_best_effort())
-  differ = sorted(k for k in set(old) | set(new)
-                  if k not in RESUMABLE_FIELDS and old.get(k) != new.get(k))
+  differ = _run_fields_differ(old, config)
   if differ:
     raise ValueError(f"{workdir} holds checkpoints of another run: config fields "
                      f"{differ} differ from its config.json (a resume may change only "
@@ -302,8 +307,8 @@ def start_workdir(workdir, config) -> Path:
   saved = workdir / "config.json"
   if saved.is_file() and not (workdir / "checkpoints").is_dir():
     try:
-      same = json.loads(saved.read_text()) == json.loads(config.to_json_best_effort())
-    except (ValueError, OSError):
+      same = not _run_fields_differ(json.loads(saved.read_text()), config)
+    except (ValueError, OSError, AttributeError):
       same = False
     if not same:  # an earlier run of another config stopped before its first checkpoint
       for name in DERIVED_FILES:
@@ -330,12 +335,13 @@ def check_export_dir(config, workdir, default: str = "model",
   if config.teacher:
     from specjax.models import pretrained
     try:
-      teacher = pretrained._locate(config.teacher)  # a shipped name is its folder
+      teacher = pretrained.locate(config.teacher)  # a shipped name is its folder
     except ValueError:
       teacher = None  # the teacher's own loader names the problem
     if isinstance(teacher, Path) and teacher.expanduser().resolve() == path:
       raise ValueError(f"config.export_dir: {path} is the teacher's own directory")
-  if (path / marker).is_file():  # only this workdir's own export is replaced
+  own = (Path(workdir) / default).expanduser().resolve()  # where this run exports by default
+  if (path / marker).is_file() and path != own:  # elsewhere: only this workdir's own export
     try:
       written_by = json.loads((path / marker).read_text()).get("metadata", {}).get("workdir")
     except (ValueError, OSError, AttributeError):
