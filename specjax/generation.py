@@ -614,8 +614,9 @@ class Stream:
     engine = prepared.engine
     batch = len(prompt_len)  # the caller's rows (a mesh pads the batch)
     sent = np.asarray(prompt_len, np.int64)  # tokens handed out, per row
-    new_tokens = [[] for _ in range(batch)]
-    texts_sent = [""] * batch
+    text = None
+    if target.tokenizer is not None:
+      text = [_TextStream(target.tokenizer) for _ in range(batch)]
     state = prepared.start(key)
     limit = 0
     while True:
@@ -625,23 +626,50 @@ class Stream:
       chunk = [tokens[i, sent[i]:n[i]].tolist() for i in range(batch)]
       sent = np.asarray(n, np.int64)
       finished = bool(np.all(done)) or limit >= decode_lib.NO_ROUND_LIMIT - rounds
-      texts = None
-      if target.tokenizer is not None:
-        texts = []
-        for i in range(batch):
-          new_tokens[i] += chunk[i]
-          text = target.tokenizer.decode(new_tokens[i])
-          if not done[i]:  # a character cut short decodes as U+FFFD until its last byte
-            text = text.rstrip("\ufffd")
-          # Past what was sent (a tokenizer that rewrites earlier text on a longer
-          # decode, say a cleanup of spaces before punctuation, cannot take it back).
-          delta = text[len(texts_sent[i]):]
-          texts_sent[i] += delta
-          texts.append(delta)
+      texts = None if text is None else [
+          t.add(c, bool(d)) for t, c, d in zip(text, chunk, done)]
       yield Chunk(tokens=chunk, texts=texts, done=[bool(d) for d in done])
       if finished:
         break
     self._result = _result(target, engine, prepared.finish(state))
+
+
+class _TextStream:
+  """A row's text as its tokens come, decoding a window of the last chunks' tokens
+  rather than the whole row each time (which made a long stream quadratic), as vLLM's
+  incremental detokenizer does.
+
+  The window starts one clean chunk back, so a tokenizer that drops the space of a
+  text's first token (SentencePiece) decodes the new tokens as it would inside the row:
+  what is handed out is `decode(window)` past `decode(window's sent tokens)`. A text
+  ending in U+FFFD (a character whose last byte has not come) keeps its window until it
+  ends cleanly; a finished row hands out the rest as it is.
+  """
+
+  def __init__(self, tokenizer):
+    self._decode = tokenizer.decode
+    self._ids: list[int] = []
+    self._start = 0  # the window: tokens before it are sent and never decoded again
+    self._clean = 0  # the window's tokens up to here are sent, ending at a clean character
+    self._more = 0  # characters sent past those tokens' text (before a cut character)
+
+  def add(self, ids: list[int], done: bool) -> str:
+    if not ids and not done:
+      return ""  # keep the window: the next tokens decode after it
+    self._ids += ids
+    sent = self._decode(self._ids[self._start:self._clean])
+    text = self._decode(self._ids[self._start:])
+    ragged = text.endswith("\ufffd")
+    if ragged and not done:
+      text = text.rstrip("\ufffd")
+    # Past what was sent (a tokenizer that rewrites earlier text on a longer decode,
+    # say a cleanup of spaces before punctuation, cannot take it back).
+    delta = text[len(sent) + self._more:]
+    if ragged and not done:
+      self._more += len(delta)
+    else:
+      self._start, self._clean, self._more = self._clean, len(self._ids), 0
+    return delta
 
 
 def stream(target: Model, prompts, *, rounds_per_chunk: int = 1, seed: int = 0,

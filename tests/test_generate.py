@@ -260,6 +260,53 @@ def test_stream_hands_out_what_generate_returns(stream_pair):
   assert any(b"\xc3\xa9".decode() in t or "€" in t for t in want.texts)
 
 
+def _sentencepiece_like():
+  """A Llama-2-style decoder: '▁' for a space and the text's first space dropped, so a
+  token decodes otherwise at the start of a text. (No byte tokens: its byte fallback
+  turns a whole run of bytes into U+FFFDs when a later byte makes it invalid, rewriting
+  text already sent, which no stream can take back.)"""
+  import tokenizers
+  from tokenizers import decoders, models
+  from specjax.models.tokenizer import Tokenizer
+  pieces = ["<unk>", "▁Hello", "▁world", "é", "▁€", ".", "▁a", "b", "▁", "▁▁", "c",
+            "d"]
+  tok = tokenizers.Tokenizer(models.WordLevel({p: i for i, p in enumerate(pieces)},
+                                              unk_token="<unk>"))
+  tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                   decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+  return Tokenizer(tok)
+
+
+def test_stream_text_decodes_a_window_not_the_row(stream_pair):
+  """Each chunk's text is the row's text past what was sent, with a tokenizer whose
+  decode of a token depends on what comes before it (a leading '▁' loses its space at
+  the start of a text), while the decoded tokens grow with the row, not its square."""
+  target, _ = stream_pair
+  tokenizer = _sentencepiece_like()
+  decoded = []
+
+  class Counting:
+    def decode(self, ids):
+      decoded.append(len(ids))
+      return tokenizer.decode(ids)
+
+  prompts = [[1, 2, 3], [4], [5, 6, 7, 8, 9, 10, 0], [8]]
+  kw = dict(max_new_tokens=48, temperature=1.0, seed=5)
+  target.tokenizer = Counting()
+  try:
+    chunks = list(specjax.stream(target, prompts, rounds_per_chunk=1, **kw))
+  finally:
+    target.tokenizer = _ByteTokenizer()
+  rows = [sum((c.tokens[i] for c in chunks), []) for i in range(len(prompts))]
+  for i, row in enumerate(rows):
+    assert "".join(c.texts[i] for c in chunks) == tokenizer.decode(row)
+  # Some chunk after the first opens with a '▁' token: decoded alone it would lose a space.
+  assert any(c.tokens[i][:1] and c.tokens[i][0] in (1, 2, 4, 6, 8, 9)
+             for c in chunks[1:] for i in range(len(prompts)))
+  n = sum(map(len, rows))
+  assert sum(decoded) < 6 * n  # the whole row each chunk: ~n * 48 / 2
+
+
 @pytest.mark.parametrize("kw, message", [
     (dict(rounds_per_chunk=0), "rounds_per_chunk"),
     (dict(temperature=-1.0), "temperature"),
