@@ -293,7 +293,9 @@ def test_a_corpus_too_short_for_a_window_is_not_cached(tmp_path):
   with pytest.raises(ValueError, match=r"config.corpus: its \w+ split holds \d+ tokens, fewer "
                                        r"than one window of seq_len \+ 1 = 33"):
     train_lib.train(_tiny_config(tmp_path / "empty.txt", seq_len=32), run)
-  assert not list(run.glob("tokens_*.npy"))  # a fuller file at that path is read afresh
+  # Neither its token caches nor the tokenizer trained on it (a resumed run keeps its
+  # tokenizer): a fuller file at that path is read afresh.
+  assert not list(run.glob("tokens_*.npy")) and not (run / "tokenizer.json").exists()
 
 
 def test_metrics_cut_short_by_a_crash_are_dropped(tmp_path):
@@ -301,3 +303,17 @@ def test_metrics_cut_short_by_a_crash_are_dropped(tmp_path):
   path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"ste')
   train_lib._MetricsLog(path, resume_step=2)
   assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
+
+
+def test_a_tokenizer_larger_than_the_model_writes_nothing(corpus_dir, tmp_path):
+  """The misfit is named before the tokenizer or token caches land in the workdir."""
+  from specjax.models.tokenizer import Tokenizer
+  config = _tiny_config(corpus_dir)
+  texts = [f"def f{i}(x): return x * {i} + {i * i}\n" * 3 for i in range(200)]
+  big = Tokenizer.train(texts, config.vocab_size + 40, min_frequency=1)
+  assert big.vocab_size > config.vocab_size
+  config.tokenizer = str(big.save(tmp_path / "big.json"))
+  run = tmp_path / "run"
+  with pytest.raises(ValueError, match=f"model vocab_size {config.vocab_size} < tokenizer's"):
+    train_lib.train(config, run)
+  assert not any((run / name).exists() for name in train_lib.DERIVED_FILES)

@@ -366,10 +366,13 @@ def _load_teacher(spec: str, positions: int | None = None):
   return teacher
 
 
-def _prepare_tokenizer(config, workdir: Path, corpus, teacher) -> Tokenizer:
+def _prepare_tokenizer(config, workdir: Path, corpus, teacher) -> tuple[Tokenizer, bool]:
+  """The run's tokenizer, and whether it is new (`_token_streams` saves it once the
+  corpus has passed its checks: a resumed run keeps the tokenizer it started with, so
+  one made from a corpus that then failed must not be kept)."""
   path = workdir / "tokenizer.json"
-  if path.is_file():  # a resumed run keeps the tokenizer it started with
-    return Tokenizer.from_file(path)
+  if path.is_file():
+    return Tokenizer.from_file(path), False
   if config.tokenizer:
     tok = Tokenizer.from_file(config.tokenizer)
   elif teacher is not None:
@@ -378,14 +381,15 @@ def _prepare_tokenizer(config, workdir: Path, corpus, teacher) -> Tokenizer:
     tok = teacher.tokenizer
   else:
     tok = Tokenizer.train(corpus.read("train"), config.vocab_size)
-  tok.save(path)
-  return tok
+  return tok, True
 
 
-def _token_streams(workdir: Path, corpus, tok: Tokenizer, min_tokens: int = 1):
-  """Train and held-out streams, cached in the workdir so a resume skips tokenizing; a
-  split shorter than `min_tokens` (one training window) fails before it is cached."""
-  streams = {}
+def _token_streams(workdir: Path, corpus, tok: Tokenizer, min_tokens: int = 1,
+                   new_tokenizer: bool = False):
+  """Train and held-out streams, cached in the workdir so a resume skips tokenizing.
+  Both splits are checked (at least `min_tokens`, one training window) before anything
+  is written, and a new tokenizer is saved with them."""
+  streams, fresh = {}, []
   for split in ("train", "heldout"):
     cache = workdir / f"tokens_{split}.npy"
     if cache.is_file():
@@ -398,10 +402,15 @@ def _token_streams(workdir: Path, corpus, tok: Tokenizer, min_tokens: int = 1):
     if len(stream) < min_tokens:
       raise ValueError(f"config.corpus: its {split} split holds {len(stream)} tokens, fewer "
                        f"than one window of seq_len + 1 = {min_tokens}")
-    tmp = cache.with_name(f"tokens_{split}.tmp.npy")
-    np.save(tmp, stream.astype(np.uint16 if tok.vocab_size <= 65536 else np.int32))
-    os.replace(tmp, cache)
     streams[split] = stream
+    fresh.append(split)
+  if new_tokenizer:
+    tok.save(workdir / "tokenizer.json")
+  for split in fresh:
+    cache = workdir / f"tokens_{split}.npy"
+    tmp = cache.with_name(f"tokens_{split}.tmp.npy")
+    np.save(tmp, streams[split].astype(np.uint16 if tok.vocab_size <= 65536 else np.int32))
+    os.replace(tmp, cache)
   return streams["train"], streams["heldout"]
 
 
@@ -449,13 +458,13 @@ def train(config, workdir: str | os.PathLike) -> model_lib.Model:
     raise ValueError(f"teacher vocab {teacher.config.vocab_size} != student vocab {cfg.vocab_size}")
   export_dir = check_export_dir(config, workdir)
   workdir = start_workdir(workdir, config)
-  tok = _prepare_tokenizer(config, workdir, corpus, teacher)
-  train_stream, heldout_stream = _token_streams(workdir, corpus, tok, config.seq_len + 1)
-  byte_lengths = tok.token_byte_lengths()
-  eval_windows = data_lib.eval_windows(heldout_stream, config.seq_len, config.eval_windows)
-
+  tok, new_tokenizer = _prepare_tokenizer(config, workdir, corpus, teacher)
   if cfg.vocab_size < tok.vocab_size:
     raise ValueError(f"model vocab_size {cfg.vocab_size} < tokenizer's {tok.vocab_size}")
+  train_stream, heldout_stream = _token_streams(workdir, corpus, tok, config.seq_len + 1,
+                                                new_tokenizer)
+  byte_lengths = tok.token_byte_lengths()
+  eval_windows = data_lib.eval_windows(heldout_stream, config.seq_len, config.eval_windows)
   model = model_lib.init_model(cfg, config.seed)
   graphdef, params = model.graphdef, model.params
   optimizer = make_optimizer(config.lr, config.warmup_steps, config.steps, config.weight_decay,
