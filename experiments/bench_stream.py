@@ -8,6 +8,13 @@ alternately, the order flipping from prompt to prompt. Reported per chunk size: 
 median and quartiles of stream time / generate time (what the chunks' calls and reads
 add), the time to the first chunk as a share of the whole `generate` call, and the
 chunks a call took. Every stream's tokens are checked against its `generate` call.
+
+  python -m experiments.bench_stream --text --batch=8 --max_new_tokens=448 --temperature=1
+
+times a stream's text instead: the chunks of one stream replayed through `stream`'s
+windowed text and through decoding the whole row every chunk (the baseline: what the
+text cost before, and what a streamer that re-decodes its row costs), alternately, the
+texts checked equal; then whole streams with each, alternately.
 """
 
 from __future__ import annotations
@@ -31,11 +38,84 @@ _PROMPTS = flags.DEFINE_integer("prompts", 8, "Held-out prompts (one per call)."
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Passes over the prompts.")
 _NEW = flags.DEFINE_integer("max_new_tokens", 64, "New tokens per call.")
 _OUT = flags.DEFINE_string("out", None, "Write the results as JSON here.")
+_TEXT = flags.DEFINE_bool("text", False, "Time the chunks' text (windowed vs whole row).")
+_BATCH = flags.DEFINE_integer("batch", 8, "Rows in one stream, for --text.")
 
 
 def _quartiles(xs):
   q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
   return {"median": statistics.median(xs), "q1": q[0], "q3": q[2]}
+
+
+class WholeRow:
+  """The baseline text: decode the row so far every chunk, hand out what is new."""
+
+  def __init__(self, tokenizer):
+    self._decode, self._ids, self._sent = tokenizer.decode, [], ""
+
+  def add(self, ids, done):
+    self._ids += ids
+    text = self._decode(self._ids)
+    if not done:
+      text = text.rstrip("\ufffd")
+    delta = text[len(self._sent):]
+    self._sent += delta
+    return delta
+
+
+def text_main(target, prompts, kw):
+  """Windowed text against `WholeRow`, on one stream's chunks, then in whole streams."""
+  from specjax import generation
+  windowed = generation._TextStream
+  chunks = list(specjax.stream(target, prompts, rounds_per_chunk=1, **kw))
+  batch = len(prompts)
+  print(f"batch {batch}: {len(chunks)} chunks, "
+        f"{sum(len(t) for c in chunks for t in c.tokens)} tokens", flush=True)
+
+  def replay(cls):
+    rows = [cls(target.tokenizer) for _ in range(batch)]
+    start = time.perf_counter()
+    out = [[r.add(c.tokens[i], c.done[i]) for i, r in enumerate(rows)] for c in chunks]
+    return time.perf_counter() - start, ["".join(o[i] for o in out) for i in range(batch)]
+
+  def whole(cls):
+    generation._TextStream = cls
+    try:
+      start = time.perf_counter()
+      list(specjax.stream(target, prompts, rounds_per_chunk=1, **kw))
+      return time.perf_counter() - start
+    finally:
+      generation._TextStream = windowed
+
+  times = {"whole_row": [], "windowed": []}
+  ratios, stream_ratios = [], []
+  for r in range(21):
+    pair = (WholeRow, windowed) if r % 2 else (windowed, WholeRow)
+    (ta, xa), (tb, xb) = replay(pair[0]), replay(pair[1])
+    if xa != xb:
+      raise AssertionError("the windowed text differs from the whole row's")
+    old, new = (ta, tb) if pair[0] is WholeRow else (tb, ta)
+    times["whole_row"].append(old)
+    times["windowed"].append(new)
+    ratios.append(old / new)
+  whole(windowed), whole(WholeRow)  # warm
+  for r in range(_REPEATS.value * 2 + 1):
+    pair = (WholeRow, windowed) if r % 2 else (windowed, WholeRow)
+    ta, tb = whole(pair[0]), whole(pair[1])
+    stream_ratios.append(ta / tb if pair[0] is WholeRow else tb / ta)
+  row = dict(batch=batch, chunks=len(chunks),
+             text_s={k: _quartiles(v) for k, v in times.items()},
+             text_whole_row_over_windowed=_quartiles(ratios),
+             stream_whole_row_over_windowed=_quartiles(stream_ratios),
+             max_new_tokens=_NEW.value, temperature=_TEMPERATURE.value,
+             machine=costs.machine_info())
+  t, q, w = row["text_s"], row["text_whole_row_over_windowed"], row[
+      "stream_whole_row_over_windowed"]
+  print(f"text of a stream: whole row {1e3 * t['whole_row']['median']:.1f} ms, windowed "
+        f"{1e3 * t['windowed']['median']:.1f} ms, ratio {q['median']:.1f} "
+        f"({q['q1']:.1f}-{q['q3']:.1f}); whole streams {w['median']:.3f} "
+        f"({w['q1']:.3f}-{w['q3']:.3f})", flush=True)
+  return [row]
 
 
 def main(argv):
@@ -45,6 +125,13 @@ def main(argv):
   prompts = common.heldout_prompts(target.tokenizer, "stdlib", _PROMPTS.value, 64)
   kw = dict(max_new_tokens=_NEW.value, temperature=_TEMPERATURE.value, gamma=_GAMMA.value,
             seed=0, **(dict(draft=draft) if draft else dict(drafter="ngram")))
+  if _TEXT.value:
+    prompts = common.heldout_prompts(target.tokenizer, "stdlib", _BATCH.value, 64)
+    rows = text_main(target, prompts, kw)
+    if _OUT.value:
+      with open(_OUT.value, "w") as f:
+        json.dump(rows, f, indent=1)
+    return
   rows = []
   for k in map(int, _CHUNKS.value):
     ratios, first, chunks = [], [], []
