@@ -52,6 +52,8 @@ class Engine:
   # The jax Mesh ('data', 'model') the state is laid out on (`specjax.models.sharding`); None:
   # wherever the inputs are (one device), and no constraint is traced.
   mesh: Any = None
+  # Keep the target's log-probability of every committed token (`DecodeState.logprobs`).
+  logprobs: bool = False
 
   @property
   def gamma(self) -> int:
@@ -112,6 +114,9 @@ class DecodeState:
   history: Any = None  # processors.History of the committed prefix (None: no processors)
   draft_len: Any = None  # int32[B]: the heuristic γ policy's next length (None: fixed γ)
   draft_steps: Any = None  # int32: draft steps the adaptive draft loop ran, all rounds
+  # float32[B, S]: log p(tokens[b, i] | tokens[b, :i]) under the target's raw logits for
+  # each committed token (0 for the prompt); None unless `engine.logprobs`.
+  logprobs: Any = None
 
 
 # ----------------------------------------------------------------------------
@@ -288,6 +293,17 @@ def _first_blocked(banned, n_accepted, before, default):
   return jnp.where(jnp.any(blocked, axis=1), jnp.argmax(blocked, axis=1), default)
 
 
+def _logprobs(logits, before, new):
+  """float32[B, γ+1]: log p(new[:, j]) under the target's raw logits at the prefix before
+  it (position j for a chain; `before` for a tree), whatever the sampling settings:
+  what a teacher-forced forward gives."""
+  if before is not None:
+    logits = jnp.take_along_axis(logits, before[:, :, None], axis=1, mode="clip")
+  logits = logits.astype(jnp.float32)
+  picked = jnp.take_along_axis(logits, new[:, :, None], axis=2)[:, :, 0]
+  return picked - jax.nn.logsumexp(logits, axis=-1)
+
+
 def decode_round(engine: Engine, weights: Weights, state: DecodeState,
                  sampling: Sampling) -> DecodeState:
   """One draft + verify round for every row: a pure function of its inputs."""
@@ -353,6 +369,9 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
     room = jnp.minimum(room, _first_blocked(banned, n_accepted, before, room))
   count, stop = commit_count(n_accepted, room, hits, state.done)
   tokens = kv_cache.write(state.tokens, new, state.n, count)
+  logprobs = state.logprobs
+  if logprobs is not None:
+    logprobs = kv_cache.write(logprobs, _logprobs(logits, before, new), state.n, count)
   n = state.n + count
   # 5. Rollback both caches (and the processors' history) to the committed history.
   history = None if prefixes is None else processors.committed(
@@ -363,7 +382,7 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
     target_kv = trees.compact_path(target_kv, state.n - 1, path, n_accepted)
     draft_state = drafter.rollback(draft_state, n, features, state.n - 1, path=path)
   return state.replace(
-      history=history,
+      history=history, logprobs=logprobs,
       tokens=tokens, n=n, done=state.done | stop,
       target_kv=target_kv.rollback(n - 1),
       draft_state=draft_state,
@@ -391,6 +410,7 @@ def prefill(engine: Engine, weights: Weights, tokens, prompt_len, prompt_width, 
       history=processors.init_history(sampling.pcfg, sampling.procs, tokens, prompt_len,
                                       prompt_len, engine.target.vocab_size)
       if sampling.has_processors else None,
+      logprobs=jnp.zeros(tokens.shape, jnp.float32) if engine.logprobs else None,
       **engine.policy.init_state(batch, engine.gamma))
 
 

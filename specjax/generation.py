@@ -58,8 +58,9 @@ class Prepared:
         int(max_rounds)))
 
   def progress(self, state):
-    """(tokens, n, done) of a state so far, on the host."""
-    return on_host((state.tokens, state.n, state.done))
+    """(tokens, n, done, logprobs) of a state so far, on the host (logprobs: None
+    unless asked for)."""
+    return on_host((state.tokens, state.n, state.done, state.logprobs))
 
   def finish(self, state) -> decode_lib.DecodeState:
     """The caller's rows of a final state (a mesh's `Prepared` drops its padding)."""
@@ -85,6 +86,8 @@ class GenerateResult:
   tokens: list[list[int]]  # the new tokens of each prompt
   stats: dict[str, Any]
   texts: list[str] | None = None  # decoded new tokens, when the target has a tokenizer
+  # With logprobs=True: the target's log-probability of each new token given all before it.
+  logprobs: list[list[float]] | None = None
 
 
 def check_prompts(prompts, model: Model) -> list[list[int]]:
@@ -311,10 +314,15 @@ def fetch(state: decode_lib.DecodeState, gamma: int):
   """(tokens, n, prompt_len, stats) on the host, fetched together (each separate fetch
   waits on its own); stats: the run's counters summed over rows, and every rate
   (`with_rates`)."""
-  tokens, n, prompt_len, *counters = on_host(
-      (state.tokens, state.n, state.prompt_len, state.stats, state.target_calls,
-       state.draft_steps))
-  return tokens, n, prompt_len, _summary(*counters, gamma)
+  return fetch_all(state, gamma)[:4]
+
+
+def fetch_all(state: decode_lib.DecodeState, gamma: int):
+  """`fetch`'s four and the log-probabilities (None unless the engine kept them)."""
+  tokens, n, prompt_len, logprobs, *counters = on_host(
+      (state.tokens, state.n, state.prompt_len, state.logprobs, state.stats,
+       state.target_calls, state.draft_steps))
+  return tokens, n, prompt_len, _summary(*counters, gamma), logprobs
 
 
 def _summary(s, target_calls, draft_steps, gamma: int) -> dict[str, Any]:
@@ -396,13 +404,16 @@ def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p
             ngram_min=1, ngram_max=4, repetition_penalty=1.0, presence_penalty=0.0,
             frequency_penalty=0.0, no_repeat_ngram_size=0, min_new_tokens=0, logit_bias=None,
             constraint=None, verify_rule="exact", rule_params=None, gamma_policy="fixed",
-            draft_confidence=None, draft_cost=None) -> Prepared:
+            draft_confidence=None, draft_cost=None, logprobs=False) -> Prepared:
   """Validates everything and returns the engine's static and traced arguments."""
   if not isinstance(target, Model):
     kind = "a draft head" if isinstance(target, heads_lib.Head) else type(target).__name__
     raise ValueError(f"target must be a specjax Model (load_pretrained(name)), got {kind}")
   prompts = check_prompts(prompts, target)
   batch = len(prompts)
+  if not isinstance(logprobs, (bool, np.bool_)):
+    raise ValueError(f"logprobs must be True or False, got {logprobs!r}")
+  logprobs = bool(logprobs)
   max_new_tokens = checks.int_at_least("max_new_tokens", max_new_tokens, 1)
   longest = max(len(p) for p in prompts)
   if longest + max_new_tokens > target.config.max_len:
@@ -467,7 +478,7 @@ def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p
   prompt_len = np.asarray([len(p) for p in prompts], np.int32)
   return Prepared(
       engine=decode_lib.Engine(target=target.config, drafter=drafter_obj, rule=rule,
-                               policy=policy),
+                               policy=policy, logprobs=logprobs),
       weights=decode_lib.Weights(target=target.params, draft=draft_params),
       prompt_width=prompt_width, cache_size=cache_size, tokens=tokens,
       prompt_len=prompt_len, sampling=sampling)
@@ -484,7 +495,7 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
              logit_bias=None, constraint=None, gamma_policy: str = "fixed",
              draft_confidence: float | None = None,
              draft_cost: float | tuple[float, float] | None = None,
-             mesh=None) -> GenerateResult:
+             logprobs: bool = False, mesh=None) -> GenerateResult:
   """Generates up to `max_new_tokens` new tokens for each prompt.
 
   With no `draft` and `drafter=None` this is plain autoregressive decoding. With a draft
@@ -549,6 +560,10 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
       (L·c + v) for the row's running α̂; `draft_cost` = c / v, or the pair (c, v(γ))
       in target steps, which on a CPU also prices the pass by the drafts it computes;
       measured (the pair) if None).
+    logprobs: also return (`GenerateResult.logprobs`) each new token's log-probability
+      under the target's raw logits given every token before it: before temperature,
+      top-k/top-p and the processors, so the same numbers at any temperature and what a
+      teacher-forced forward of the output gives. From the verify pass's own logits.
     mesh: a jax Mesh with axes ('data', 'model') (`jax.make_mesh((dp, tp), ('data',
       'model'))`) to run on several devices (`specjax.models.sharding`): the target split over
       'model' (pass `specjax.shard(target, mesh)` to place it once, not every call), the
@@ -565,7 +580,7 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
                  frequency_penalty=frequency_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
                  min_new_tokens=min_new_tokens, logit_bias=logit_bias, constraint=constraint,
                  gamma_policy=gamma_policy, draft_confidence=draft_confidence,
-                 draft_cost=draft_cost)
+                 draft_cost=draft_cost, logprobs=logprobs)
   if mesh is not None:
     from specjax.models import sharding
     args = sharding.distribute(args, mesh)  # its run() returns the caller's rows, on the host
@@ -573,13 +588,15 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
 
 
 def _result(target: Model, engine: decode_lib.Engine, state) -> GenerateResult:
-  tokens, n, prompt_len, stats = fetch(state, engine.gamma)
+  tokens, n, prompt_len, stats, logprobs = fetch_all(state, engine.gamma)
   new = [tokens[i, prompt_len[i]:n[i]].tolist() for i in range(len(n))]
   texts = None
   if target.tokenizer is not None:
     texts = [target.tokenizer.decode(t) for t in new]
+  if logprobs is not None:
+    logprobs = [logprobs[i, prompt_len[i]:n[i]].tolist() for i in range(len(n))]
   stats = dict(stats, lossless=engine.rule.lossless, gamma_policy=engine.policy.kind)
-  return GenerateResult(tokens=new, stats=stats, texts=texts)
+  return GenerateResult(tokens=new, stats=stats, texts=texts, logprobs=logprobs)
 
 
 @dataclasses.dataclass
@@ -591,6 +608,7 @@ class Chunk:
   # (where decoding more tokens never rewrites the text of earlier ones).
   texts: list[str] | None
   done: list[bool]  # the row has finished: nothing more will come
+  logprobs: list[list[float]] | None = None  # the tokens' log-probabilities (logprobs=True)
 
 
 class Stream:
@@ -622,13 +640,16 @@ class Stream:
     while True:
       limit += rounds
       state = prepared.resume(state, limit)
-      tokens, n, done = (x[:batch] for x in prepared.progress(state))
+      tokens, n, done, logprobs = (None if x is None else x[:batch]
+                                   for x in prepared.progress(state))
       chunk = [tokens[i, sent[i]:n[i]].tolist() for i in range(batch)]
+      if logprobs is not None:
+        logprobs = [logprobs[i, sent[i]:n[i]].tolist() for i in range(batch)]
       sent = np.asarray(n, np.int64)
       finished = bool(np.all(done)) or limit >= decode_lib.NO_ROUND_LIMIT - rounds
       texts = None if text is None else [
           t.add(c, bool(d)) for t, c, d in zip(text, chunk, done)]
-      yield Chunk(tokens=chunk, texts=texts, done=[bool(d) for d in done])
+      yield Chunk(tokens=chunk, texts=texts, done=[bool(d) for d in done], logprobs=logprobs)
       if finished:
         break
     self._result = _result(target, engine, prepared.finish(state))

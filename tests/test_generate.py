@@ -307,6 +307,52 @@ def test_stream_text_decodes_a_window_not_the_row(stream_pair):
   assert sum(decoded) < 6 * n  # the whole row each chunk: ~n * 48 / 2
 
 
+def _teacher_forced(target, prompt, new):
+  """log p(new[j] | prompt + new[:j]) from one full forward, in float64."""
+  logits = np.asarray(target.logits(np.asarray([prompt + new])), np.float64)[0]
+  logp = logits - np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1,
+                                keepdims=True)) - logits.max(-1, keepdims=True)
+  return [logp[len(prompt) - 1 + j, t] for j, t in enumerate(new)]
+
+
+@pytest.mark.parametrize("kw", [
+    dict(),  # target only
+    dict(draft=True, gamma=3, temperature=[0.7, 0.0, 1.3, 1.0], top_k=[5, 0, 0, 3],
+         repetition_penalty=1.3),
+    dict(draft=True, tree=(2, 2), temperature=1.0, no_repeat_ngram_size=2),
+    dict(drafter="ngram", tree=(2, 1), temperature=[0.0, 1.0, 0.5, 2.0]),
+], ids=["target", "chain", "model-tree", "ngram-tree"])
+def test_logprobs_are_the_targets_teacher_forced_ones(stream_pair, kw):
+  """Each new token's logprob is the target's raw log-probability after everything
+  before it, as a full forward of prompt + output gives (not the processed, tempered
+  distribution it was drawn from), for rows that accept different counts and stop at
+  different rounds."""
+  target, draft = stream_pair
+  kw = dict(kw, draft=draft) if kw.get("draft") else kw
+  prompts = [[1, 2, 3], [4], [5, 6, 7, 8, 9, 10, 0], [2, 2]]
+  out = specjax.generate(target, prompts, max_new_tokens=12, eos_id=4, seed=3,
+                         logprobs=True, **kw)
+  assert len({len(t) for t in out.tokens}) > 1  # some rows stopped at EOS
+  for prompt, new, lp in zip(prompts, out.tokens, out.logprobs):
+    assert len(lp) == len(new)
+    np.testing.assert_allclose(lp, _teacher_forced(target, prompt, new), atol=2e-5)
+  plain = specjax.generate(target, prompts, max_new_tokens=12, eos_id=4, seed=3, **kw)
+  assert plain.tokens == out.tokens and plain.logprobs is None
+
+
+def test_stream_hands_out_the_logprobs_and_logprobs_is_checked(stream_pair):
+  target, draft = stream_pair
+  kw = dict(draft=draft, gamma=2, max_new_tokens=10, temperature=1.0, seed=1,
+            logprobs=True)
+  s = specjax.stream(target, [[1, 2], [3]], rounds_per_chunk=1, **kw)
+  chunks = list(s)
+  for i in range(2):
+    assert sum((c.logprobs[i] for c in chunks), []) == s.result.logprobs[i]
+    assert all(len(c.logprobs[i]) == len(c.tokens[i]) for c in chunks)
+  with pytest.raises(ValueError, match="logprobs must be True or False, got 'yes'"):
+    specjax.generate(target, [[1, 2]], logprobs="yes")
+
+
 @pytest.mark.parametrize("kw, message", [
     (dict(rounds_per_chunk=0), "rounds_per_chunk"),
     (dict(temperature=-1.0), "temperature"),

@@ -111,12 +111,17 @@ def worker_mesh():
       # Same seed, T = 1: the tokens of one device (same compiled program as above).
       res["t1/mesh"] = specjax.generate(target, PROMPTS, max_new_tokens=STEPS, gamma=3,
                                         mesh=mesh, temperature=1.0, seed=7, **kw).tokens
-      res["t1/one"] = specjax.generate(targets[name], PROMPTS, max_new_tokens=STEPS, gamma=3,
-                                       temperature=1.0, seed=7, **kw).tokens
-      # Streamed on the mesh, in chunks of 2 rounds: the same tokens again.
+      one = specjax.generate(targets[name], PROMPTS, max_new_tokens=STEPS, gamma=3,
+                             temperature=1.0, seed=7, logprobs=True, **kw)
+      res["t1/one"], res["t1/one_logprobs"] = one.tokens, one.logprobs
+      # Streamed on the mesh, in chunks of 2 rounds: the same tokens (and logprobs) again.
       stream = specjax.stream(target, PROMPTS, max_new_tokens=STEPS, gamma=3, mesh=mesh,
-                              temperature=1.0, seed=7, rounds_per_chunk=2, **kw)
-      chunks = [c.tokens for c in stream]
+                              temperature=1.0, seed=7, rounds_per_chunk=2, logprobs=True,
+                              **kw)
+      chunks = list(stream)
+      res["t1/stream_logprobs"] = [sum((c.logprobs[i] for c in chunks), [])
+                                   for i in range(len(PROMPTS))]
+      chunks = [c.tokens for c in chunks]
       res["t1/stream"] = [sum((c[i] for c in chunks), []) for i in range(len(PROMPTS))]
       res["t1/stream_result"] = stream.result.tokens
       res["t1/stream_chunks"] = len(chunks)
@@ -397,6 +402,9 @@ class MeshTest(parameterized.TestCase):
     self.assertNotEqual(r["t1/mesh"], r["oracle/llama"])  # it really sampled
     self.assertEqual(r["t1/stream"], r["t1/one"])  # streamed on the mesh, in chunks
     self.assertEqual(r["t1/stream_result"], r["t1/one"])
+    for got, want in zip(r["t1/stream_logprobs"], r["t1/one_logprobs"]):
+      self.assertEqual(len(got), len(want))
+      np.testing.assert_allclose(got, want, atol=1e-4)
     self.assertGreater(r["t1/stream_chunks"], 1)
 
   @parameterized.parameters(("gpt2", 8), ("llama", 8), ("gpt2_int8", 4))

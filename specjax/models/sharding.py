@@ -267,7 +267,8 @@ def collect(state, rows: int):
                        prompt_len=first(state.prompt_len), done=first(state.done),
                        stats=jax.tree_util.tree_map(first, state.stats),
                        target_calls=host(state.target_calls), target_kv=None,
-                       draft_state=None, history=None, key=host(state.key))
+                       draft_state=None, history=None, key=host(state.key),
+                       logprobs=None if state.logprobs is None else first(state.logprobs))
 
 
 @functools.lru_cache(maxsize=None)
@@ -294,6 +295,7 @@ def _distributed_class():
       return collect(state, self.rows)
 
     def progress(self, state):  # gathered across processes, as `collect` does
-      return tuple(host(x)[:self.rows] for x in (state.tokens, state.n, state.done))
+      return tuple(None if x is None else host(x)[:self.rows]
+                   for x in (state.tokens, state.n, state.done, state.logprobs))
 
   return Distributed
