@@ -5,7 +5,7 @@
   python -m experiments.run --config=configs/sweep.py --config.gamma=4 --config.temperature='(0.0,1.0)'
 
 Variants: '' (default: 18 points on the shipped pair, each timed against target-only), 'smoke'
-(seconds; the test suite runs it), 'full' (a larger grid for a GPU/TPU runtime),
+(about a minute on 2 cores; the test suite runs it), 'full' (a larger grid for a GPU/TPU runtime),
 'gpt2' (a public pair from local Hugging Face directories or the hub; see docs/HF.md),
 'llama3', 'qwen3', 'qwen25' (larger public pairs by hub id, for a GPU/TPU runtime; see
 docs/HF.md for memory, gated repositories and local copies).
@@ -30,8 +30,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eagle_head = "stdlib-eagle"  # draft heads trained on the target: name or directory
   c.medusa_head = "stdlib-medusa"
   # Paired timing of three drafters: keep the default a short run. On a 2-core CPU every
-  # drafter's best γ is at most 4 (the ledger's optima there: 1 for the draft model, 2
-  # for the EAGLE head, 4 for prompt lookup); 'full' sweeps longer drafts.
+  # drafter's best γ is at most 4 (the ledger's optima there: 1 for the draft model and
+  # the EAGLE head, 4 for prompt lookup); 'full' sweeps longer drafts.
   c.gamma = (1, 2, 4)
   c.temperature = (0.0, 1.0)
   c.top_p = (1.0,)

@@ -47,7 +47,7 @@ def base() -> ml_collections.ConfigDict:
   c.eval_windows = 64
   c.eval_batch_size = 8
   c.checkpoint_every = 250
-  c.export_dir = ""  # empty: WORKDIR/model
+  c.export_dir = ""  # empty: WORKDIR/model (WORKDIR/head for the eagle / medusa variants)
   c.export_dtype = ""  # e.g. 'bfloat16' for the shipped files; empty keeps float32
   return c
 

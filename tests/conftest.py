@@ -89,8 +89,9 @@ def greedy_oracle(model, prompt, steps):
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 0, 1, 2, 3, 4], [7]]
 
 # Samples of each end-to-end law test (512 continuations of 3 tokens, each within 5 sd).
-# Bugs planted in the rules still fail them by z >= 6 at this size (docs/ARCHITECTURE.md,
-# "How the law tests are sized"); subtler errors are the float64 rule tests' to catch.
+# Planted bugs that move the law fail them by z >= 6 at this size (docs/ARCHITECTURE.md,
+# "How the law tests are sized"); subtler ones (the i.i.d.-sibling tree rule) are the
+# float64 rule tests' to catch.
 LAW_ROWS = 6000
 
 

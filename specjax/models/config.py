@@ -54,7 +54,8 @@ class ModelConfig:
 
   The defaults describe a GPT-2-style model (LayerNorm, learned positions, GELU MLP,
   biases, tied embeddings); `ModelConfig.llama(...)` flips them to RMSNorm, RoPE,
-  SwiGLU, grouped-query attention and an untied head. Frozen and hashable, so it can be
+  SwiGLU and an untied head (grouped-query attention when given `n_kv_heads` <
+  `n_heads`). Frozen and hashable, so it can be
   a static argument of `jax.jit`.
   """
 
