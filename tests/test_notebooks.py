@@ -123,3 +123,10 @@ def check_real_pair(outputs, parameters):
 
 def test_there_is_a_notebook():
   assert NOTEBOOKS
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_cell_has_an_id(path):
+  """nbformat 4.5 cells carry ids (their absence is a warning now, an error later)."""
+  cells = json.loads(path.read_text())["cells"]
+  assert [i for i, cell in enumerate(cells) if not cell.get("id")] == []
