@@ -307,6 +307,42 @@ def test_stream_text_decodes_a_window_not_the_row(stream_pair):
   assert sum(decoded) < 6 * n  # the whole row each chunk: ~n * 48 / 2
 
 
+def test_stream_text_passes_tokens_that_render_nothing_and_stays_linear():
+  """A window does not open on tokens that decode to nothing (a special token a
+  transformers tokenizer skips): the token after it would decode as a text's first
+  (WordPiece's '##' kept, a space dropped). And a row whose every chunk ends in a byte
+  that is not UTF-8 moves its window all the same."""
+  import tokenizers
+  from tokenizers import decoders, models
+  from specjax.generation import _TextStream
+  pieces = ["[UNK]", "play", "##ing", "now"]
+  tok = tokenizers.Tokenizer(models.WordLevel({p: i for i, p in enumerate(pieces)},
+                                              unk_token="[UNK]"))
+  tok.add_special_tokens([tokenizers.AddedToken("[SEP]", special=True)])  # id 4
+  tok.decoder = decoders.WordPiece(prefix="##")
+
+  class Skipping:  # decode as transformers does with skip_special_tokens=True
+    def decode(self, ids):
+      return tok.decode(list(ids), skip_special_tokens=True)
+
+  for chunks in ([[1], [4], [2, 3]], [[1, 2], [4], [3]], [[1], [4], [4], [], [2], [3]]):
+    text = _TextStream(Skipping())
+    out = "".join(text.add(c, i == len(chunks) - 1) for i, c in enumerate(chunks))
+    assert out == Skipping().decode(sum(chunks, [])) == "playing now"
+
+  decoded = []
+
+  class Bytes:
+    def decode(self, ids):
+      decoded.append(len(ids))
+      return b"".join([b"a", b"\xff"][i] for i in ids).decode("utf-8", errors="replace")
+
+  text = _TextStream(Bytes())
+  out = "".join(text.add([0, 1], False) for _ in range(200))
+  assert out == "a\ufffd" * 199 + "a"  # the last U+FFFD waits: it could be a cut character
+  assert sum(decoded) < 8 * 400  # the whole row each chunk: ~200 * 400 / 2
+
+
 def _teacher_forced(target, prompt, new):
   """log p(new[j] | prompt + new[:j]) from one full forward, in float64."""
   logits = np.asarray(target.logits(np.asarray([prompt + new])), np.float64)[0]
