@@ -11,10 +11,11 @@ chunks a call took. Every stream's tokens are checked against its `generate` cal
 
   python -m experiments.bench_stream --text --batch=8 --max_new_tokens=448 --temperature=1
 
-times a stream's text instead: the chunks of one stream replayed through `stream`'s
-windowed text and through decoding the whole row every chunk (the baseline: what the
-text cost before, and what a streamer that re-decodes its row costs), alternately, the
-texts checked equal; then whole streams with each, alternately.
+times a stream's text instead (one stream of --batch rows, one round a chunk): its
+chunks replayed through `stream`'s windowed text and through decoding the whole row
+every chunk (the baseline: what the text cost before, and what a streamer that
+re-decodes its row costs), alternately, the texts checked equal; then whole streams
+with each, alternately; 2 * --repeats + 1 pairs of each.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def text_main(target, prompts, kw):
 
   times = {"whole_row": [], "windowed": []}
   ratios, stream_ratios = [], []
-  for r in range(21):
+  for r in range(_REPEATS.value * 2 + 1):
     pair = (WholeRow, windowed) if r % 2 else (windowed, WholeRow)
     (ta, xa), (tb, xb) = replay(pair[0]), replay(pair[1])
     if xa != xb:
@@ -122,11 +123,11 @@ def main(argv):
   del argv
   draft_name = "stdlib-draft" if _DRAFTER.value == "model" else None
   target, draft = common.load_pair("stdlib-target", draft_name)
-  prompts = common.heldout_prompts(target.tokenizer, "stdlib", _PROMPTS.value, 64)
+  prompts = common.heldout_prompts(target.tokenizer, "stdlib",
+                                   _BATCH.value if _TEXT.value else _PROMPTS.value, 64)
   kw = dict(max_new_tokens=_NEW.value, temperature=_TEMPERATURE.value, gamma=_GAMMA.value,
             seed=0, **(dict(draft=draft) if draft else dict(drafter="ngram")))
   if _TEXT.value:
-    prompts = common.heldout_prompts(target.tokenizer, "stdlib", _BATCH.value, 64)
     rows = text_main(target, prompts, kw)
     if _OUT.value:
       with open(_OUT.value, "w") as f:

@@ -86,7 +86,8 @@ class GenerateResult:
   tokens: list[list[int]]  # the new tokens of each prompt
   stats: dict[str, Any]
   texts: list[str] | None = None  # decoded new tokens, when the target has a tokenizer
-  # With logprobs=True: the target's log-probability of each new token given all before it.
+  # logprobs=True: log p(token | all before it) under the target's raw logits (no
+  # temperature, top-k/p or processors).
   logprobs: list[list[float]] | None = None
 
 
@@ -311,14 +312,9 @@ def on_host(tree):
 
 
 def fetch(state: decode_lib.DecodeState, gamma: int):
-  """(tokens, n, prompt_len, stats) on the host, fetched together (each separate fetch
-  waits on its own); stats: the run's counters summed over rows, and every rate
-  (`with_rates`)."""
-  return fetch_all(state, gamma)[:4]
-
-
-def fetch_all(state: decode_lib.DecodeState, gamma: int):
-  """`fetch`'s four and the log-probabilities (None unless the engine kept them)."""
+  """(tokens, n, prompt_len, stats, logprobs) on the host, fetched together (each
+  separate fetch waits on its own); stats: the run's counters summed over rows, and
+  every rate (`with_rates`); logprobs: None unless the engine kept them."""
   tokens, n, prompt_len, logprobs, *counters = on_host(
       (state.tokens, state.n, state.prompt_len, state.logprobs, state.stats,
        state.target_calls, state.draft_steps))
@@ -563,9 +559,10 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
     logprobs: also return (`GenerateResult.logprobs`) each new token's log-probability
       under the target's raw logits given every token before it: before temperature,
       top-k/top-p and the processors, so the same numbers at any temperature and what a
-      teacher-forced forward of the output gives (in float32; a model computing in
-      bfloat16 rounds the cached and the full forward apart, ~0.05 nats on the shipped
-      target). From the verify pass's own logits.
+      teacher-forced forward of the output gives, to the matmuls' precision (float32 on
+      a CPU: ~1e-5; a model computing in bfloat16, or a TPU's default float32 passes,
+      rounds the cached and the full forward apart: 0.05-0.06 nats on the shipped
+      target in bfloat16). From the verify pass's own logits.
     mesh: a jax Mesh with axes ('data', 'model') (`jax.make_mesh((dp, tp), ('data',
       'model'))`) to run on several devices (`specjax.models.sharding`): the target split over
       'model' (pass `specjax.shard(target, mesh)` to place it once, not every call), the
@@ -590,7 +587,7 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
 
 
 def _result(target: Model, engine: decode_lib.Engine, state) -> GenerateResult:
-  tokens, n, prompt_len, stats, logprobs = fetch_all(state, engine.gamma)
+  tokens, n, prompt_len, stats, logprobs = fetch(state, engine.gamma)
   new = [tokens[i, prompt_len[i]:n[i]].tolist() for i in range(len(n))]
   texts = None
   if target.tokenizer is not None:
@@ -610,7 +607,7 @@ class Chunk:
   # (where decoding more tokens never rewrites the text of earlier ones).
   texts: list[str] | None
   done: list[bool]  # the row has finished: nothing more will come
-  logprobs: list[list[float]] | None = None  # the tokens' log-probabilities (logprobs=True)
+  logprobs: list[list[float]] | None = None  # as GenerateResult.logprobs, for these tokens
 
 
 class Stream:
@@ -634,9 +631,9 @@ class Stream:
     engine = prepared.engine
     batch = len(prompt_len)  # the caller's rows (a mesh pads the batch)
     sent = np.asarray(prompt_len, np.int64)  # tokens handed out, per row
-    text = None
+    detok = None
     if target.tokenizer is not None:
-      text = [_TextStream(target.tokenizer) for _ in range(batch)]
+      detok = [_TextStream(target.tokenizer) for _ in range(batch)]
     state = prepared.start(key)
     limit = 0
     while True:
@@ -649,8 +646,8 @@ class Stream:
         logprobs = [logprobs[i, sent[i]:n[i]].tolist() for i in range(batch)]
       sent = np.asarray(n, np.int64)
       finished = bool(np.all(done)) or limit >= decode_lib.NO_ROUND_LIMIT - rounds
-      texts = None if text is None else [
-          t.add(c, bool(d)) for t, c, d in zip(text, chunk, done)]
+      texts = None if detok is None else [
+          t.add(c, bool(d)) for t, c, d in zip(detok, chunk, done)]
       yield Chunk(tokens=chunk, texts=texts, done=[bool(d) for d in done], logprobs=logprobs)
       if finished:
         break
@@ -675,9 +672,8 @@ class _TextStream:
     self._decode = tokenizer.decode
     self._ids: list[int] = []
     self._start = 0  # the window: tokens before it are sent and never decoded again
-    self._clean = 0  # the window's tokens up to here are sent, ending at a clean character
-    self._sent = ""  # decode(ids[start:clean])
-    self._more = 0  # characters sent past it (before a cut character)
+    self._clean = 0  # tokens up to here are sent and end on a whole character
+    self._sent = 0  # characters of decode(ids[start:]) handed out
 
   def add(self, ids: list[int], done: bool) -> str:
     if not ids and not done:
@@ -685,35 +681,31 @@ class _TextStream:
     self._ids += ids
     text = self._decode(self._ids[self._start:])
     final = done or not text.endswith("\ufffd")
-    shown = text if final else text.rstrip("\ufffd")
     # Past what was sent (a tokenizer that rewrites earlier text on a longer decode,
     # say a cleanup of spaces before punctuation, cannot take it back).
-    delta = shown[len(self._sent) + self._more:]
-    self._more += len(delta)
+    delta = (text if final else text.rstrip("\ufffd"))[self._sent:]
+    self._sent += len(delta)
     if final:
-      self._advance(len(self._ids), text)
+      self._advance(len(self._ids), len(text))
       return delta
     # A character cut at the end began at most 3 bytes back (UTF-8 takes 4 at most), so
     # in the last 3 tokens: move the window to the latest boundary among them whose text
-    # ends cleanly and was sent, else a row whose chunks all end mid-character (invalid
-    # bytes) would decode its whole row every chunk.
-    sent = len(self._sent) + self._more
+    # ends on a whole character and was sent, where there is one (else a row whose
+    # chunks end mid-character decodes from its last clean chunk every time).
     for end in range(len(self._ids) - 1, max(self._clean, len(self._ids) - 4), -1):
       head = self._decode(self._ids[self._start:end])
-      if head and not head.endswith("\ufffd") and len(head) <= sent:
-        self._advance(end, head)
-        self._more = sent - len(head)
+      if head and not head.endswith("\ufffd") and len(head) <= self._sent:
+        self._advance(end, len(head))
         break
     return delta
 
-  def _advance(self, end: int, text: str):
-    """Tokens up to `end` are sent (`text` = their window's text)."""
+  def _advance(self, end: int, width: int):
+    """Tokens up to `end` are sent; `width`: their characters in the window's text."""
     tail = self._decode(self._ids[self._clean:end])
     if tail:  # the next window opens on the tokens since the last clean point
-      self._start, self._sent = self._clean, tail
-    else:  # they render nothing: keep the older tokens before them
-      self._sent = text
-    self._clean, self._more = end, 0
+      self._start, self._sent = self._clean, self._sent - width + len(tail)
+    # (else they render nothing, a skipped special token: keep the older tokens before)
+    self._clean = end
 
 
 def stream(target: Model, prompts, *, rounds_per_chunk: int = 1, seed: int = 0,

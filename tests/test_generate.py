@@ -311,7 +311,8 @@ def test_stream_text_passes_tokens_that_render_nothing_and_stays_linear():
   """A window does not open on tokens that decode to nothing (a special token a
   transformers tokenizer skips): the token after it would decode as a text's first
   (WordPiece's '##' kept, a space dropped). And a row whose every chunk ends in a byte
-  that is not UTF-8 moves its window all the same."""
+  that is not UTF-8 moves its window to a boundary among its last 3 tokens that ends on
+  a whole character."""
   import tokenizers
   from tokenizers import decoders, models
   from specjax.generation import _TextStream
@@ -374,6 +375,44 @@ def test_logprobs_are_the_targets_teacher_forced_ones(stream_pair, kw):
     np.testing.assert_allclose(lp, _teacher_forced(target, prompt, new), atol=2e-5)
   plain = specjax.generate(target, prompts, max_new_tokens=12, eos_id=4, seed=3, **kw)
   assert plain.tokens == out.tokens and plain.logprobs is None
+
+
+def test_logprobs_on_a_narrowed_pass():
+  """A Llama-shaped target narrows its CPU verify pass to the longest draft (the
+  logits past it repeat its last position); the logprobs read no padded position."""
+  from specjax import decode as decode_lib
+  from specjax.models import cpu_kernels
+  target = tiny_model(vocab=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                      llama=True, seed=5)
+  prompts = [[1, 2, 3, 4, 5], [9, 8, 7, 9, 8, 7, 9, 8], [60, 61, 62]]
+  out = specjax.generate(target, prompts, max_new_tokens=12, drafter="ngram", gamma=3,
+                         temperature=1.0, seed=1, logprobs=True)
+  if decode_lib.CPU_NARROW_PASS and cpu_kernels.available():
+    assert out.stats["pass_hist"][-1] < out.stats["rounds"]  # some pass narrowed
+  for p, new, lp in zip(prompts, out.tokens, out.logprobs):
+    np.testing.assert_allclose(lp, _teacher_forced(target, p, new), atol=2e-5)
+
+
+@pytest.mark.parametrize("make", [_ByteTokenizer, _sentencepiece_like])
+def test_stream_text_matches_decoding_the_whole_row(make):
+  """Every chunk's text is what decoding the whole row hands out, for random chunkings
+  (empty chunks, rows done early or never, characters cut across chunks)."""
+  import random
+  from specjax.generation import _TextStream
+  tok, rng = make(), random.Random(0)
+  for _ in range(300):
+    ids = [rng.randrange(12) for _ in range(rng.randint(0, 40))]
+    cuts = sorted(rng.sample(range(len(ids) + 1), rng.randint(0, len(ids) + 1)))
+    chunks = [ids[a:b] for a, b in zip([0] + cuts, cuts + [len(ids)])] + [[]]
+    done_at = rng.choice([len(chunks) - 1, None])
+    text, row, sent = _TextStream(tok), [], ""
+    for j, c in enumerate(chunks):
+      done = done_at is not None and j >= done_at
+      row += c
+      whole = tok.decode(row) if done else tok.decode(row).rstrip("\ufffd")
+      want = whole[len(sent):]
+      sent += want
+      assert text.add(c, done) == want
 
 
 def test_stream_hands_out_the_logprobs_and_logprobs_is_checked(stream_pair):

@@ -126,7 +126,7 @@ def test_there_is_a_notebook():
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_every_cell_has_an_id(path):
-  """nbformat 4.5 cells carry ids (their absence is a warning now, an error later)."""
-  cells = json.loads(path.read_text())["cells"]
-  assert [i for i, cell in enumerate(cells) if not cell.get("id")] == []
+def test_every_cell_has_a_unique_id(path):
+  """nbformat 4.5 cells carry unique ids (a missing one is a warning now, an error later)."""
+  ids = [cell.get("id") for cell in json.loads(path.read_text())["cells"]]
+  assert None not in ids and "" not in ids and len(set(ids)) == len(ids)

@@ -124,6 +124,7 @@ def worker_mesh():
       chunks = [c.tokens for c in chunks]
       res["t1/stream"] = [sum((c[i] for c in chunks), []) for i in range(len(PROMPTS))]
       res["t1/stream_result"] = stream.result.tokens
+      res["t1/stream_result_logprobs"] = stream.result.logprobs
       res["t1/stream_chunks"] = len(chunks)
       # The raw final state (same engine and shapes: no new compile).
       args = sharding.distribute(prepare(target, PROMPTS, max_new_tokens=STEPS, temperature=0.0,
@@ -402,6 +403,7 @@ class MeshTest(parameterized.TestCase):
     self.assertNotEqual(r["t1/mesh"], r["oracle/llama"])  # it really sampled
     self.assertEqual(r["t1/stream"], r["t1/one"])  # streamed on the mesh, in chunks
     self.assertEqual(r["t1/stream_result"], r["t1/one"])
+    self.assertEqual(r["t1/stream_result_logprobs"], r["t1/stream_logprobs"])  # collect's
     for got, want in zip(r["t1/stream_logprobs"], r["t1/one_logprobs"]):
       self.assertEqual(len(got), len(want))
       np.testing.assert_allclose(got, want, atol=1e-4)

@@ -317,3 +317,13 @@ def test_a_tokenizer_larger_than_the_model_writes_nothing(corpus_dir, tmp_path):
   with pytest.raises(ValueError, match=f"model vocab_size {config.vocab_size} < tokenizer's"):
     train_lib.train(config, run)
   assert not any((run / name).exists() for name in train_lib.DERIVED_FILES)
+
+
+def test_a_short_heldout_split_writes_nothing(tmp_path):
+  """Both splits pass their check before a cache (or a new tokenizer) is written."""
+  path = tmp_path / "one.txt"
+  path.write_text("".join(f"x = {i} * {i}\n" for i in range(400)))
+  run = tmp_path / "run"
+  with pytest.raises(ValueError, match="its heldout split holds"):
+    train_lib.train(_tiny_config(path, seq_len=32, heldout_fraction=0.002), run)
+  assert not any((run / name).exists() for name in train_lib.DERIVED_FILES)

@@ -174,9 +174,8 @@ def train(config, workdir: str | os.PathLike) -> heads_lib.Head:
   corpus = data_lib.load_corpus(config.corpus, config.heldout_fraction)
   train_lib.check_export_dir(config, workdir, "head", heads_lib.MANIFEST)
   workdir = train_lib.start_workdir(workdir, config)
-  target.tokenizer.save(workdir / "tokenizer.json")
-  train_stream, heldout_stream = train_lib._token_streams(workdir, corpus, target.tokenizer,
-                                                          config.seq_len + 1)
+  train_stream, heldout_stream = train_lib._token_streams(
+      workdir, corpus, target.tokenizer, config.seq_len + 1, save_tokenizer=True)
   return run(config, workdir, target, train_stream, heldout_stream)
 
 

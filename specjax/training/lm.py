@@ -385,10 +385,10 @@ def _prepare_tokenizer(config, workdir: Path, corpus, teacher) -> tuple[Tokenize
 
 
 def _token_streams(workdir: Path, corpus, tok: Tokenizer, min_tokens: int = 1,
-                   new_tokenizer: bool = False):
+                   save_tokenizer: bool = False):
   """Train and held-out streams, cached in the workdir so a resume skips tokenizing.
   Both splits are checked (at least `min_tokens`, one training window) before anything
-  is written, and a new tokenizer is saved with them."""
+  is written; `save_tokenizer` saves `tok` with them."""
   streams, fresh = {}, []
   for split in ("train", "heldout"):
     cache = workdir / f"tokens_{split}.npy"
@@ -404,7 +404,7 @@ def _token_streams(workdir: Path, corpus, tok: Tokenizer, min_tokens: int = 1,
                        f"than one window of seq_len + 1 = {min_tokens}")
     streams[split] = stream
     fresh.append(split)
-  if new_tokenizer:
+  if save_tokenizer:
     tok.save(workdir / "tokenizer.json")
   for split in fresh:
     cache = workdir / f"tokens_{split}.npy"
@@ -461,8 +461,11 @@ def train(config, workdir: str | os.PathLike) -> model_lib.Model:
   tok, new_tokenizer = _prepare_tokenizer(config, workdir, corpus, teacher)
   if cfg.vocab_size < tok.vocab_size:
     raise ValueError(f"model vocab_size {cfg.vocab_size} < tokenizer's {tok.vocab_size}")
+  if new_tokenizer:  # token caches without their tokenizer were made by another one
+    for split in ("train", "heldout"):
+      (workdir / f"tokens_{split}.npy").unlink(missing_ok=True)
   train_stream, heldout_stream = _token_streams(workdir, corpus, tok, config.seq_len + 1,
-                                                new_tokenizer)
+                                                save_tokenizer=new_tokenizer)
   byte_lengths = tok.token_byte_lengths()
   eval_windows = data_lib.eval_windows(heldout_stream, config.seq_len, config.eval_windows)
   model = model_lib.init_model(cfg, config.seed)
