@@ -561,7 +561,7 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
       top-k/top-p and the processors, so the same numbers at any temperature and what a
       teacher-forced forward of the output gives, to the matmuls' precision (float32 on
       a CPU: ~1e-5; a model computing in bfloat16, or a TPU's default float32 passes,
-      rounds the cached and the full forward apart: 0.05-0.06 nats on the shipped
+      rounds the cached and the full forward apart: up to ~0.1 nats on the shipped
       target in bfloat16). From the verify pass's own logits.
     mesh: a jax Mesh with axes ('data', 'model') (`jax.make_mesh((dp, tp), ('data',
       'model'))`) to run on several devices (`specjax.models.sharding`): the target split over
