@@ -586,14 +586,18 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
   return _result(target, args.engine, args.run(seed_key(seed)))
 
 
+def _spans(x, start, end):
+  """Row i's x[i, start[i]:end[i]] as a list, for each row (None stays None)."""
+  return None if x is None else [x[i, start[i]:end[i]].tolist() for i in range(len(end))]
+
+
 def _result(target: Model, engine: decode_lib.Engine, state) -> GenerateResult:
   tokens, n, prompt_len, stats, logprobs = fetch(state, engine.gamma)
-  new = [tokens[i, prompt_len[i]:n[i]].tolist() for i in range(len(n))]
+  new = _spans(tokens, prompt_len, n)
   texts = None
   if target.tokenizer is not None:
     texts = [target.tokenizer.decode(t) for t in new]
-  if logprobs is not None:
-    logprobs = [logprobs[i, prompt_len[i]:n[i]].tolist() for i in range(len(n))]
+  logprobs = _spans(logprobs, prompt_len, n)
   stats = dict(stats, lossless=engine.rule.lossless, gamma_policy=engine.policy.kind)
   return GenerateResult(tokens=new, stats=stats, texts=texts, logprobs=logprobs)
 
@@ -641,9 +645,7 @@ class Stream:
       state = prepared.resume(state, limit)
       tokens, n, done, logprobs = (None if x is None else x[:batch]
                                    for x in prepared.progress(state))
-      chunk = [tokens[i, sent[i]:n[i]].tolist() for i in range(batch)]
-      if logprobs is not None:
-        logprobs = [logprobs[i, sent[i]:n[i]].tolist() for i in range(batch)]
+      chunk, logprobs = _spans(tokens, sent, n), _spans(logprobs, sent, n)
       sent = np.asarray(n, np.int64)
       finished = bool(np.all(done)) or limit >= decode_lib.NO_ROUND_LIMIT - rounds
       texts = None if detok is None else [
