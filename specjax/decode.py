@@ -52,8 +52,11 @@ class Engine:
   # The jax Mesh ('data', 'model') the state is laid out on (`specjax.models.sharding`); None:
   # wherever the inputs are (one device), and no constraint is traced.
   mesh: Any = None
-  # Keep the target's log-probability of every committed token (`DecodeState.logprobs`).
+  # Keep the target's log-probability of every committed token (`DecodeState.logprobs`),
+  # with the `top_logprobs` most likely tokens at each position, and the prompt's too.
   logprobs: bool = False
+  top_logprobs: int = 0
+  prompt_logprobs: bool = False
 
   @property
   def gamma(self) -> int:
@@ -114,9 +117,29 @@ class DecodeState:
   history: Any = None  # processors.History of the committed prefix (None: no processors)
   draft_len: Any = None  # int32[B]: the heuristic γ policy's next length (None: fixed γ)
   draft_steps: Any = None  # int32: draft steps the adaptive draft loop ran, all rounds
-  # float32[B, S]: log p(tokens[b, i] | tokens[b, :i]) under the target's raw logits for
-  # each committed token (0 for the prompt); None unless `engine.logprobs`.
-  logprobs: Any = None
+  logprobs: Any = None  # `Logprobs`; None unless `engine.logprobs`
+
+
+@flax.struct.dataclass
+class Logprobs:
+  """The target's raw log-probabilities at each slot i of `DecodeState.tokens`, given
+  tokens[:i]: written for each committed token, and for the prompt's tokens 1.. where
+  `engine.prompt_logprobs` (0 elsewhere)."""
+  chosen: jax.Array  # float32[B, S]: log p(tokens[b, i] | tokens[b, :i])
+  top_values: Any = None  # float32[B, S, n]: the n largest at slot i, descending (n > 0)
+  top_ids: Any = None  # int32[B, S, n]: their tokens
+
+  @classmethod
+  def zeros(cls, shape, top: int) -> "Logprobs":
+    if not top:
+      return cls(chosen=jnp.zeros(shape, jnp.float32))
+    return cls(chosen=jnp.zeros(shape, jnp.float32),
+               top_values=jnp.zeros((*shape, top), jnp.float32),
+               top_ids=jnp.zeros((*shape, top), jnp.int32))
+
+  def write(self, new: "Logprobs", start, count) -> "Logprobs":
+    return jax.tree_util.tree_map(lambda buf, x: kv_cache.write(buf, x, start, count),
+                                  self, new)
 
 
 # ----------------------------------------------------------------------------
@@ -293,15 +316,19 @@ def _first_blocked(banned, n_accepted, before, default):
   return jnp.where(jnp.any(blocked, axis=1), jnp.argmax(blocked, axis=1), default)
 
 
-def _logprobs(logits, before, new):
-  """float32[B, γ+1]: log p(new[:, j]) under the target's raw logits at the prefix before
+def _logprobs(logits, before, new, top: int) -> Logprobs:
+  """`Logprobs` [B, T] of new[:, j] under the target's raw logits at the prefix before
   it (position j for a chain; `before` for a tree), whatever the sampling settings:
-  what a teacher-forced forward gives."""
+  what a teacher-forced forward gives; with the `top` most likely tokens there."""
   if before is not None:
     logits = jnp.take_along_axis(logits, before[:, :, None], axis=1, mode="clip")
   logits = logits.astype(jnp.float32)
+  norm = jax.nn.logsumexp(logits, axis=-1)
   picked = jnp.take_along_axis(logits, new[:, :, None], axis=2)[:, :, 0]
-  return picked - jax.nn.logsumexp(logits, axis=-1)
+  if not top:
+    return Logprobs(chosen=picked - norm)
+  values, ids = jax.lax.top_k(logits, top)
+  return Logprobs(chosen=picked - norm, top_values=values - norm[..., None], top_ids=ids)
 
 
 def decode_round(engine: Engine, weights: Weights, state: DecodeState,
@@ -371,7 +398,8 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
   tokens = kv_cache.write(state.tokens, new, state.n, count)
   logprobs = state.logprobs
   if logprobs is not None:
-    logprobs = kv_cache.write(logprobs, _logprobs(logits, before, new), state.n, count)
+    logprobs = logprobs.write(_logprobs(logits, before, new, engine.top_logprobs), state.n,
+                              count)
   n = state.n + count
   # 5. Rollback both caches (and the processors' history) to the committed history.
   history = None if prefixes is None else processors.committed(
@@ -399,7 +427,15 @@ def prefill(engine: Engine, weights: Weights, tokens, prompt_len, prompt_width, 
   head = tokens[:, :prompt_width]
   target_kv = kv_cache.init_kv(engine.target, batch, cache_size,
                               model_lib.compute_dtype(weights.target))
-  _, target_kv, features = _target_pass(engine, weights.target, head, target_kv, empty=True)
+  logits, target_kv, features = _target_pass(engine, weights.target, head, target_kv,
+                                             empty=True)
+  logprobs = None
+  if engine.logprobs:
+    logprobs = Logprobs.zeros(tokens.shape, engine.top_logprobs)
+    if engine.prompt_logprobs:  # prompt token t given tokens[:t], t = 1..prompt_len-1
+      logprobs = logprobs.write(
+          _logprobs(logits[:, :-1], None, head[:, 1:], engine.top_logprobs),
+          jnp.ones_like(prompt_len), prompt_len - 1)
   draft_state = engine.drafter.init(batch, cache_size)
   draft_state = engine.drafter.prefill(weights.draft, draft_state, head, prompt_len, features)
   return DecodeState(
@@ -410,7 +446,7 @@ def prefill(engine: Engine, weights: Weights, tokens, prompt_len, prompt_width, 
       history=processors.init_history(sampling.pcfg, sampling.procs, tokens, prompt_len,
                                       prompt_len, engine.target.vocab_size)
       if sampling.has_processors else None,
-      logprobs=jnp.zeros(tokens.shape, jnp.float32) if engine.logprobs else None,
+      logprobs=logprobs,
       **engine.policy.init_state(batch, engine.gamma))
 
 

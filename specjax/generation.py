@@ -58,8 +58,8 @@ class Prepared:
         int(max_rounds)))
 
   def progress(self, state):
-    """(tokens, n, done, logprobs) of a state so far, on the host (logprobs: None
-    unless asked for)."""
+    """(tokens, n, done, logprobs) of a state so far, on the host (logprobs: a
+    `decode.Logprobs`, None unless asked for)."""
     return on_host((state.tokens, state.n, state.done, state.logprobs))
 
   def finish(self, state) -> decode_lib.DecodeState:
@@ -89,6 +89,13 @@ class GenerateResult:
   # logprobs=True: log p(token | all before it) under the target's raw logits (no
   # temperature, top-k/p or processors).
   logprobs: list[list[float]] | None = None
+  # top_logprobs=n: at each new token's position, the n most likely (token, logprob)
+  # pairs under the same distribution, most likely first.
+  top_logprobs: list[list[list[tuple[int, float]]]] | None = None
+  # prompt_logprobs=True: the same for each prompt's tokens (None for the first, which
+  # nothing comes before), and their top n where top_logprobs=n.
+  prompt_logprobs: list[list[float | None]] | None = None
+  prompt_top_logprobs: list[list[list[tuple[int, float]] | None]] | None = None
 
 
 def check_prompts(prompts, model: Model) -> list[list[int]]:
@@ -314,7 +321,8 @@ def on_host(tree):
 def fetch(state: decode_lib.DecodeState, gamma: int):
   """(tokens, n, prompt_len, stats, logprobs) on the host, fetched together (each
   separate fetch waits on its own); stats: the run's counters summed over rows, and
-  every rate (`with_rates`); logprobs: None unless the engine kept them."""
+  every rate (`with_rates`); logprobs: a `decode.Logprobs`, None unless the engine
+  kept them."""
   tokens, n, prompt_len, logprobs, *counters = on_host(
       (state.tokens, state.n, state.prompt_len, state.logprobs, state.stats,
        state.target_calls, state.draft_steps))
@@ -400,16 +408,16 @@ def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p
             ngram_min=1, ngram_max=4, repetition_penalty=1.0, presence_penalty=0.0,
             frequency_penalty=0.0, no_repeat_ngram_size=0, min_new_tokens=0, logit_bias=None,
             constraint=None, verify_rule="exact", rule_params=None, gamma_policy="fixed",
-            draft_confidence=None, draft_cost=None, logprobs=False) -> Prepared:
+            draft_confidence=None, draft_cost=None, logprobs=False, top_logprobs=0,
+            prompt_logprobs=False) -> Prepared:
   """Validates everything and returns the engine's static and traced arguments."""
   if not isinstance(target, Model):
     kind = "a draft head" if isinstance(target, heads_lib.Head) else type(target).__name__
     raise ValueError(f"target must be a specjax Model (load_pretrained(name)), got {kind}")
   prompts = check_prompts(prompts, target)
   batch = len(prompts)
-  if not isinstance(logprobs, (bool, np.bool_)):
-    raise ValueError(f"logprobs must be True or False, got {logprobs!r}")
-  logprobs = bool(logprobs)
+  logprobs, top_logprobs, prompt_logprobs = _logprob_args(
+      logprobs, top_logprobs, prompt_logprobs, target.config.vocab_size)
   max_new_tokens = checks.int_at_least("max_new_tokens", max_new_tokens, 1)
   longest = max(len(p) for p in prompts)
   if longest + max_new_tokens > target.config.max_len:
@@ -474,10 +482,23 @@ def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p
   prompt_len = np.asarray([len(p) for p in prompts], np.int32)
   return Prepared(
       engine=decode_lib.Engine(target=target.config, drafter=drafter_obj, rule=rule,
-                               policy=policy, logprobs=logprobs),
+                               policy=policy, logprobs=logprobs, top_logprobs=top_logprobs,
+                               prompt_logprobs=prompt_logprobs),
       weights=decode_lib.Weights(target=target.params, draft=draft_params),
       prompt_width=prompt_width, cache_size=cache_size, tokens=tokens,
       prompt_len=prompt_len, sampling=sampling)
+
+
+def _logprob_args(logprobs, top, prompt, vocab: int):
+  for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt)):
+    if not isinstance(value, (bool, np.bool_)):
+      raise ValueError(f"{name} must be True or False, got {value!r}")
+  top = checks.int_at_least("top_logprobs", top, 0)
+  if top > vocab:
+    raise ValueError(f"top_logprobs must be <= the vocabulary size {vocab}, got {top}")
+  if (top or prompt) and not logprobs:
+    raise ValueError("top_logprobs and prompt_logprobs need logprobs=True")
+  return bool(logprobs), top, bool(prompt)
 
 
 def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.0, top_k=0,
@@ -491,7 +512,8 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
              logit_bias=None, constraint=None, gamma_policy: str = "fixed",
              draft_confidence: float | None = None,
              draft_cost: float | tuple[float, float] | None = None,
-             logprobs: bool = False, mesh=None) -> GenerateResult:
+             logprobs: bool = False, top_logprobs: int = 0, prompt_logprobs: bool = False,
+             mesh=None) -> GenerateResult:
   """Generates up to `max_new_tokens` new tokens for each prompt.
 
   With no `draft` and `drafter=None` this is plain autoregressive decoding. With a draft
@@ -563,6 +585,15 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
       a CPU: ~1e-5; a model computing in bfloat16, or a TPU's default float32 passes,
       rounds the cached and the full forward apart: up to ~0.1 nats on the shipped
       target in bfloat16). From the verify pass's own logits.
+    top_logprobs: with logprobs, also the n most likely tokens at each new token's
+      position and their log-probabilities, under the same distribution
+      (`GenerateResult.top_logprobs`; OpenAI's top_logprobs). Costs a top-n over the
+      vocabulary at each verified position and [B, S, n] of state.
+    prompt_logprobs: with logprobs, also the log-probability of each prompt token
+      given the tokens before it (and its position's top n), from the prefill's logits
+      (`GenerateResult.prompt_logprobs`; vLLM's prompt_logprobs): scoring a text needs
+      no generation beyond max_new_tokens=1. The prefill then computes the LM head at
+      every prompt position, not only the last.
     mesh: a jax Mesh with axes ('data', 'model') (`jax.make_mesh((dp, tp), ('data',
       'model'))`) to run on several devices (`specjax.models.sharding`): the target split over
       'model' (pass `specjax.shard(target, mesh)` to place it once, not every call), the
@@ -579,7 +610,8 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
                  frequency_penalty=frequency_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
                  min_new_tokens=min_new_tokens, logit_bias=logit_bias, constraint=constraint,
                  gamma_policy=gamma_policy, draft_confidence=draft_confidence,
-                 draft_cost=draft_cost, logprobs=logprobs)
+                 draft_cost=draft_cost, logprobs=logprobs, top_logprobs=top_logprobs,
+                 prompt_logprobs=prompt_logprobs)
   if mesh is not None:
     from specjax.models import sharding
     args = sharding.distribute(args, mesh)  # its run() returns the caller's rows, on the host
@@ -591,15 +623,32 @@ def _spans(x, start, end):
   return None if x is None else [x[i, start[i]:end[i]].tolist() for i in range(len(end))]
 
 
+def _top_spans(lp, start, end):
+  """`_spans` of a `decode.Logprobs`' top n as (token, logprob) pairs per position."""
+  if lp is None or lp.top_ids is None:
+    return None
+  return [[list(zip(i, v)) for i, v in zip(ids, values)]
+          for ids, values in zip(_spans(lp.top_ids, start, end),
+                                 _spans(lp.top_values, start, end))]
+
+
 def _result(target: Model, engine: decode_lib.Engine, state) -> GenerateResult:
-  tokens, n, prompt_len, stats, logprobs = fetch(state, engine.gamma)
+  tokens, n, prompt_len, stats, lp = fetch(state, engine.gamma)
   new = _spans(tokens, prompt_len, n)
   texts = None
   if target.tokenizer is not None:
     texts = [target.tokenizer.decode(t) for t in new]
-  logprobs = _spans(logprobs, prompt_len, n)
   stats = dict(stats, lossless=engine.rule.lossless, gamma_policy=engine.policy.kind)
-  return GenerateResult(tokens=new, stats=stats, texts=texts, logprobs=logprobs)
+  out = GenerateResult(tokens=new, stats=stats, texts=texts)
+  if lp is not None:
+    out.logprobs = _spans(lp.chosen, prompt_len, n)
+    out.top_logprobs = _top_spans(lp, prompt_len, n)
+  if engine.prompt_logprobs:  # slot 0 has nothing before it
+    ones = np.ones_like(prompt_len)
+    out.prompt_logprobs = [[None] + x for x in _spans(lp.chosen, ones, prompt_len)]
+    if lp.top_ids is not None:
+      out.prompt_top_logprobs = [[None] + x for x in _top_spans(lp, ones, prompt_len)]
+  return out
 
 
 @dataclasses.dataclass
@@ -612,6 +661,7 @@ class Chunk:
   texts: list[str] | None
   done: list[bool]  # the row has finished: nothing more will come
   logprobs: list[list[float]] | None = None  # as GenerateResult.logprobs, for these tokens
+  top_logprobs: list[list[list[tuple[int, float]]]] | None = None  # and top_logprobs
 
 
 class Stream:
@@ -643,14 +693,17 @@ class Stream:
     while True:
       limit += rounds
       state = prepared.resume(state, limit)
-      tokens, n, done, logprobs = (None if x is None else x[:batch]
-                                   for x in prepared.progress(state))
-      chunk, logprobs = _spans(tokens, sent, n), _spans(logprobs, sent, n)
+      tokens, n, done, lp = jax.tree_util.tree_map(lambda x: x[:batch],
+                                                   prepared.progress(state))
+      chunk = _spans(tokens, sent, n)
+      logprobs = None if lp is None else _spans(lp.chosen, sent, n)
+      top = _top_spans(lp, sent, n)
       sent = np.asarray(n, np.int64)
       finished = bool(np.all(done)) or limit >= decode_lib.NO_ROUND_LIMIT - rounds
       texts = None if detok is None else [
           t.add(c, bool(d)) for t, c, d in zip(detok, chunk, done)]
-      yield Chunk(tokens=chunk, texts=texts, done=[bool(d) for d in done], logprobs=logprobs)
+      yield Chunk(tokens=chunk, texts=texts, done=[bool(d) for d in done], logprobs=logprobs,
+                  top_logprobs=top)
       if finished:
         break
     self._result = _result(target, engine, prepared.finish(state))

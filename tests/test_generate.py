@@ -344,12 +344,29 @@ def test_stream_text_passes_tokens_that_render_nothing_and_stays_linear():
   assert sum(decoded) < 8 * 400  # the whole row each chunk: ~200 * 400 / 2
 
 
+def _log_softmax(target, ids):
+  """float64 [len(ids), V]: log p(. | ids[:i + 1]) from one full forward."""
+  logits = np.asarray(target.logits(np.asarray([ids])), np.float64)[0]
+  return logits - np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1,
+                                keepdims=True)) - logits.max(-1, keepdims=True)
+
+
 def _teacher_forced(target, prompt, new):
   """log p(new[j] | prompt + new[:j]) from one full forward, in float64."""
-  logits = np.asarray(target.logits(np.asarray([prompt + new])), np.float64)[0]
-  logp = logits - np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1,
-                                keepdims=True)) - logits.max(-1, keepdims=True)
+  logp = _log_softmax(target, prompt + new)
   return [logp[len(prompt) - 1 + j, t] for j, t in enumerate(new)]
+
+
+def _check_top(top, logp, n):
+  """top: (token, logprob) pairs at each position of logp [positions, V]: the n most
+  likely tokens, most likely first (ids checked through their values: near ties may
+  order either way)."""
+  assert len(top) == len(logp)
+  for pairs, row in zip(top, logp):
+    ids, values = zip(*pairs)
+    assert len(set(ids)) == n and list(values) == sorted(values, reverse=True)
+    np.testing.assert_allclose(values, np.sort(row)[::-1][:n], atol=2e-5)
+    np.testing.assert_allclose(values, row[list(ids)], atol=2e-5)
 
 
 @pytest.mark.parametrize("kw", [
@@ -363,18 +380,29 @@ def test_logprobs_are_the_targets_teacher_forced_ones(stream_pair, kw):
   """Each new token's logprob is the target's raw log-probability after everything
   before it, as a full forward of prompt + output gives (not the processed, tempered
   distribution it was drawn from), for rows that accept different counts and stop at
-  different rounds."""
+  different rounds; so are the top 3 at each position, and the prompt's."""
   target, draft = stream_pair
   kw = dict(kw, draft=draft) if kw.get("draft") else kw
   prompts = [[1, 2, 3], [4], [5, 6, 7, 8, 9, 10, 0], [2, 2]]
   out = specjax.generate(target, prompts, max_new_tokens=12, eos_id=4, seed=3,
-                         logprobs=True, **kw)
+                         logprobs=True, top_logprobs=3, prompt_logprobs=True, **kw)
   assert len({len(t) for t in out.tokens}) > 1  # some rows stopped at EOS
-  for prompt, new, lp in zip(prompts, out.tokens, out.logprobs):
-    assert len(lp) == len(new)
-    np.testing.assert_allclose(lp, _teacher_forced(target, prompt, new), atol=2e-5)
+  for i, (prompt, new) in enumerate(zip(prompts, out.tokens)):
+    logp = _log_softmax(target, prompt + new)
+    assert len(out.logprobs[i]) == len(new)
+    np.testing.assert_allclose(out.logprobs[i], _teacher_forced(target, prompt, new),
+                               atol=2e-5)
+    _check_top(out.top_logprobs[i], logp[len(prompt) - 1:-1], 3)
+    first, *rest = out.prompt_logprobs[i]
+    assert first is None and len(rest) == len(prompt) - 1
+    np.testing.assert_allclose(rest, [logp[t - 1, prompt[t]] for t in range(1, len(prompt))],
+                               atol=2e-5)
+    first, *rest = out.prompt_top_logprobs[i]
+    assert first is None
+    _check_top(rest, logp[:len(prompt) - 1], 3)
   plain = specjax.generate(target, prompts, max_new_tokens=12, eos_id=4, seed=3, **kw)
   assert plain.tokens == out.tokens and plain.logprobs is None
+  assert plain.top_logprobs is plain.prompt_logprobs is plain.prompt_top_logprobs is None
 
 
 def test_logprobs_on_a_narrowed_pass():
@@ -424,8 +452,24 @@ def test_stream_hands_out_the_logprobs_and_logprobs_is_checked(stream_pair):
   for i in range(2):
     assert sum((c.logprobs[i] for c in chunks), []) == s.result.logprobs[i]
     assert all(len(c.logprobs[i]) == len(c.tokens[i]) for c in chunks)
-  with pytest.raises(ValueError, match="logprobs must be True or False, got 'yes'"):
-    specjax.generate(target, [[1, 2]], logprobs="yes")
+    assert all(c.top_logprobs is None for c in chunks)
+  s = specjax.stream(target, [[1, 2], [3]], rounds_per_chunk=2, top_logprobs=2, **kw)
+  chunks = list(s)
+  for i in range(2):
+    assert sum((c.top_logprobs[i] for c in chunks), []) == s.result.top_logprobs[i]
+    assert all(len(c.top_logprobs[i]) == len(c.tokens[i]) for c in chunks)
+  for bad, match in [
+      (dict(logprobs="yes"), "logprobs must be True or False, got 'yes'"),
+      (dict(logprobs=True, prompt_logprobs=1), "prompt_logprobs must be True or False"),
+      (dict(top_logprobs=2), "need logprobs=True"),
+      (dict(prompt_logprobs=True), "need logprobs=True"),
+      (dict(logprobs=True, top_logprobs=-1), "top_logprobs must be an int >= 0"),
+      (dict(logprobs=True, top_logprobs=2.0), "top_logprobs"),
+      (dict(logprobs=True, top_logprobs=target.config.vocab_size + 1),
+       "top_logprobs must be <= the vocabulary size"),
+  ]:
+    with pytest.raises(ValueError, match=match):
+      specjax.generate(target, [[1, 2]], **bad)
 
 
 @pytest.mark.parametrize("kw, message", [

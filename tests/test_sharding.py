@@ -112,19 +112,26 @@ def worker_mesh():
       res["t1/mesh"] = specjax.generate(target, PROMPTS, max_new_tokens=STEPS, gamma=3,
                                         mesh=mesh, temperature=1.0, seed=7, **kw).tokens
       one = specjax.generate(targets[name], PROMPTS, max_new_tokens=STEPS, gamma=3,
-                             temperature=1.0, seed=7, logprobs=True, **kw)
+                             temperature=1.0, seed=7, logprobs=True, top_logprobs=2,
+                             prompt_logprobs=True, **kw)
       res["t1/one"], res["t1/one_logprobs"] = one.tokens, one.logprobs
+      res["t1/one_top"] = one.top_logprobs
+      res["t1/one_prompt"] = [one.prompt_logprobs, one.prompt_top_logprobs]
       # Streamed on the mesh, in chunks of 2 rounds: the same tokens (and logprobs) again.
       stream = specjax.stream(target, PROMPTS, max_new_tokens=STEPS, gamma=3, mesh=mesh,
                               temperature=1.0, seed=7, rounds_per_chunk=2, logprobs=True,
-                              **kw)
+                              top_logprobs=2, prompt_logprobs=True, **kw)
       chunks = list(stream)
       res["t1/stream_logprobs"] = [sum((c.logprobs[i] for c in chunks), [])
                                    for i in range(len(PROMPTS))]
+      res["t1/stream_top"] = [sum((c.top_logprobs[i] for c in chunks), [])
+                              for i in range(len(PROMPTS))]
       chunks = [c.tokens for c in chunks]
       res["t1/stream"] = [sum((c[i] for c in chunks), []) for i in range(len(PROMPTS))]
       res["t1/stream_result"] = stream.result.tokens
       res["t1/stream_result_logprobs"] = stream.result.logprobs
+      res["t1/stream_prompt"] = [stream.result.prompt_logprobs,
+                                 stream.result.prompt_top_logprobs]
       res["t1/stream_chunks"] = len(chunks)
       # The raw final state (same engine and shapes: no new compile).
       args = sharding.distribute(prepare(target, PROMPTS, max_new_tokens=STEPS, temperature=0.0,
@@ -407,6 +414,19 @@ class MeshTest(parameterized.TestCase):
     for got, want in zip(r["t1/stream_logprobs"], r["t1/one_logprobs"]):
       self.assertEqual(len(got), len(want))
       np.testing.assert_allclose(got, want, atol=1e-4)
+    # The top 2 at each position, and the prompt's logprobs (None first), as one device's.
+    [mesh_prompt, mesh_prompt_top], [one_prompt, one_prompt_top] = (r["t1/stream_prompt"],
+                                                                    r["t1/one_prompt"])
+    for got, want in [*zip(r["t1/stream_top"], r["t1/one_top"]),
+                      *((g[1:], w[1:]) for g, w in zip(mesh_prompt_top, one_prompt_top))]:
+      self.assertEqual(len(got), len(want))
+      for g, w in zip(got, want):
+        np.testing.assert_allclose([v for _, v in g], [v for _, v in w], atol=1e-4)
+        if abs(w[0][1] - w[1][1]) > 1e-3:  # a near tie may order either way
+          self.assertEqual([t for t, _ in g], [t for t, _ in w])
+    for got, want in zip(mesh_prompt, one_prompt):
+      self.assertEqual((got[0], want[0], len(got)), (None, None, len(want)))
+      np.testing.assert_allclose(got[1:], want[1:], atol=1e-4)
     self.assertGreater(r["t1/stream_chunks"], 1)
 
   @parameterized.parameters(("gpt2", 8), ("llama", 8), ("gpt2_int8", 4))

@@ -268,7 +268,7 @@ def collect(state, rows: int):
                        stats=jax.tree_util.tree_map(first, state.stats),
                        target_calls=host(state.target_calls), target_kv=None,
                        draft_state=None, history=None, key=host(state.key),
-                       logprobs=None if state.logprobs is None else first(state.logprobs))
+                       logprobs=jax.tree_util.tree_map(first, state.logprobs))
 
 
 @functools.lru_cache(maxsize=None)
@@ -295,7 +295,7 @@ def _distributed_class():
       return collect(state, self.rows)
 
     def progress(self, state):  # gathered across processes, as `collect` does
-      return tuple(None if x is None else host(x)[:self.rows]
-                   for x in (state.tokens, state.n, state.done, state.logprobs))
+      return jax.tree_util.tree_map(lambda x: host(x)[:self.rows],
+                                    (state.tokens, state.n, state.done, state.logprobs))
 
   return Distributed
