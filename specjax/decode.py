@@ -53,10 +53,12 @@ class Engine:
   # wherever the inputs are (one device), and no constraint is traced.
   mesh: Any = None
   # Keep the target's log-probability of every committed token (`DecodeState.logprobs`),
-  # with the `top_logprobs` most likely tokens at each position, and the prompt's too.
+  # with the `top_logprobs` most likely tokens at each position, and the prompt's too;
+  # of the raw logits ("raw") or of the distribution sampled from ("processed").
   logprobs: bool = False
   top_logprobs: int = 0
   prompt_logprobs: bool = False
+  logprobs_mode: str = "raw"
 
   @property
   def gamma(self) -> int:
@@ -317,9 +319,10 @@ def _first_blocked(banned, n_accepted, before, default):
 
 
 def _logprobs(logits, before, new, top: int) -> Logprobs:
-  """`Logprobs` [B, T] of new[:, j] under the target's raw logits at the prefix before
-  it (position j for a chain; `before` for a tree), whatever the sampling settings:
-  what a teacher-forced forward gives; with the `top` most likely tokens there."""
+  """`Logprobs` [B, T] of new[:, j] under log-softmax(logits) at the prefix before it
+  (position j for a chain; `before` for a tree); with the `top` most likely tokens
+  there. Raw logits give what a teacher-forced forward gives, whatever the sampling
+  settings; log p of the processed p, the distribution the output follows."""
   if before is not None:
     logits = jnp.take_along_axis(logits, before[:, :, None], axis=1, mode="clip")
   logits = logits.astype(jnp.float32)
@@ -398,7 +401,8 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
   tokens = kv_cache.write(state.tokens, new, state.n, count)
   logprobs = state.logprobs
   if logprobs is not None:
-    logprobs = logprobs.write(_logprobs(logits, before, new, engine.top_logprobs), state.n,
+    scores = logits if engine.logprobs_mode == "raw" else jnp.log(ps)  # -inf: excluded
+    logprobs = logprobs.write(_logprobs(scores, before, new, engine.top_logprobs), state.n,
                               count)
   n = state.n + count
   # 5. Rollback both caches (and the processors' history) to the committed history.

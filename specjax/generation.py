@@ -409,7 +409,7 @@ def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p
             frequency_penalty=0.0, no_repeat_ngram_size=0, min_new_tokens=0, logit_bias=None,
             constraint=None, verify_rule="exact", rule_params=None, gamma_policy="fixed",
             draft_confidence=None, draft_cost=None, logprobs=False, top_logprobs=0,
-            prompt_logprobs=False) -> Prepared:
+            prompt_logprobs=False, logprobs_mode="raw") -> Prepared:
   """Validates everything and returns the engine's static and traced arguments."""
   if not isinstance(target, Model):
     kind = "a draft head" if isinstance(target, heads_lib.Head) else type(target).__name__
@@ -417,7 +417,7 @@ def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p
   prompts = check_prompts(prompts, target)
   batch = len(prompts)
   logprobs, top_logprobs, prompt_logprobs = _logprob_args(
-      logprobs, top_logprobs, prompt_logprobs, target.config.vocab_size)
+      logprobs, top_logprobs, prompt_logprobs, logprobs_mode, target.config.vocab_size)
   max_new_tokens = checks.int_at_least("max_new_tokens", max_new_tokens, 1)
   longest = max(len(p) for p in prompts)
   if longest + max_new_tokens > target.config.max_len:
@@ -483,21 +483,23 @@ def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p
   return Prepared(
       engine=decode_lib.Engine(target=target.config, drafter=drafter_obj, rule=rule,
                                policy=policy, logprobs=logprobs, top_logprobs=top_logprobs,
-                               prompt_logprobs=prompt_logprobs),
+                               prompt_logprobs=prompt_logprobs, logprobs_mode=logprobs_mode),
       weights=decode_lib.Weights(target=target.params, draft=draft_params),
       prompt_width=prompt_width, cache_size=cache_size, tokens=tokens,
       prompt_len=prompt_len, sampling=sampling)
 
 
-def _logprob_args(logprobs, top, prompt, vocab: int):
+def _logprob_args(logprobs, top, prompt, mode, vocab: int):
   for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt)):
     if not isinstance(value, (bool, np.bool_)):
       raise ValueError(f"{name} must be True or False, got {value!r}")
+  if mode not in ("raw", "processed"):
+    raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {mode!r}")
   top = checks.int_at_least("top_logprobs", top, 0)
   if top > vocab:
     raise ValueError(f"top_logprobs must be <= the vocabulary size {vocab}, got {top}")
-  if (top or prompt) and not logprobs:
-    raise ValueError("top_logprobs and prompt_logprobs need logprobs=True")
+  if (top or prompt or mode != "raw") and not logprobs:
+    raise ValueError("top_logprobs, prompt_logprobs and logprobs_mode need logprobs=True")
   return bool(logprobs), top, bool(prompt)
 
 
@@ -513,7 +515,7 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
              draft_confidence: float | None = None,
              draft_cost: float | tuple[float, float] | None = None,
              logprobs: bool = False, top_logprobs: int = 0, prompt_logprobs: bool = False,
-             mesh=None) -> GenerateResult:
+             logprobs_mode: str = "raw", mesh=None) -> GenerateResult:
   """Generates up to `max_new_tokens` new tokens for each prompt.
 
   With no `draft` and `drafter=None` this is plain autoregressive decoding. With a draft
@@ -594,6 +596,12 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
       (`GenerateResult.prompt_logprobs`; vLLM's prompt_logprobs): scoring a text needs
       no generation beyond max_new_tokens=1. The prefill then computes the LM head at
       every prompt position, not only the last.
+    logprobs_mode: 'raw' (the default, above) or 'processed': the new tokens' logprobs
+      and top n under the distribution they were sampled from, after the processors,
+      temperature, top-k and top-p (vLLM's processed_logprobs; what an RL update needs
+      as the behaviour policy's). Tokens those exclude get -inf; a greedy row's token
+      gets 0. The output follows that distribution under the exact verify rule (not
+      under a lossy one). The prompt's logprobs stay raw: it was not sampled.
     mesh: a jax Mesh with axes ('data', 'model') (`jax.make_mesh((dp, tp), ('data',
       'model'))`) to run on several devices (`specjax.models.sharding`): the target split over
       'model' (pass `specjax.shard(target, mesh)` to place it once, not every call), the
@@ -611,7 +619,7 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
                  min_new_tokens=min_new_tokens, logit_bias=logit_bias, constraint=constraint,
                  gamma_policy=gamma_policy, draft_confidence=draft_confidence,
                  draft_cost=draft_cost, logprobs=logprobs, top_logprobs=top_logprobs,
-                 prompt_logprobs=prompt_logprobs)
+                 prompt_logprobs=prompt_logprobs, logprobs_mode=logprobs_mode)
   if mesh is not None:
     from specjax.models import sharding
     args = sharding.distribute(args, mesh)  # its run() returns the caller's rows, on the host

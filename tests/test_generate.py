@@ -357,7 +357,7 @@ def _teacher_forced(target, prompt, new):
   return [logp[len(prompt) - 1 + j, t] for j, t in enumerate(new)]
 
 
-def _check_top(top, logp, n):
+def _check_top(top, logp, n, atol=2e-5):
   """top: (token, logprob) pairs at each position of logp [positions, V]: the n most
   likely tokens, most likely first (ids checked through their values: near ties may
   order either way)."""
@@ -365,8 +365,8 @@ def _check_top(top, logp, n):
   for pairs, row in zip(top, logp):
     ids, values = zip(*pairs)
     assert len(set(ids)) == n and list(values) == sorted(values, reverse=True)
-    np.testing.assert_allclose(values, np.sort(row)[::-1][:n], atol=2e-5)
-    np.testing.assert_allclose(values, row[list(ids)], atol=2e-5)
+    np.testing.assert_allclose(values, np.sort(row)[::-1][:n], atol=atol)
+    np.testing.assert_allclose(values, row[list(ids)], atol=atol)
 
 
 @pytest.mark.parametrize("kw", [
@@ -403,6 +403,56 @@ def test_logprobs_are_the_targets_teacher_forced_ones(stream_pair, kw):
   plain = specjax.generate(target, prompts, max_new_tokens=12, eos_id=4, seed=3, **kw)
   assert plain.tokens == out.tokens and plain.logprobs is None
   assert plain.top_logprobs is plain.prompt_logprobs is plain.prompt_top_logprobs is None
+
+
+def _processed(logits, history, temperature, top_k, top_p, penalty):
+  """float64 log p [V] of the distribution sampled from, after the repetition penalty
+  (Hugging Face's rule over `history`), temperature, top-k and top-p: written apart
+  from the engine's code, as the oracle."""
+  x = np.array(logits, np.float64)
+  seen = sorted(set(history))
+  x[seen] = np.where(x[seen] > 0, x[seen] / penalty, x[seen] * penalty)
+  if temperature == 0:
+    return np.where(np.arange(len(x)) == np.argmax(x), 0.0, -np.inf)
+  x = x / temperature
+  if top_k:
+    x[x < np.sort(x)[::-1][top_k - 1]] = -np.inf
+  probs = np.exp(x - x.max()) / np.exp(x - x.max()).sum()
+  order = np.argsort(-probs, kind="stable")
+  before = np.cumsum(probs[order]) - probs[order]  # the mass of the tokens above each
+  x[x < x[order[np.sum(before < top_p) - 1]]] = -np.inf
+  return x - x.max() - np.log(np.sum(np.exp(x - x.max())))
+
+
+@pytest.mark.parametrize("kw", [
+    dict(),
+    dict(draft=True, gamma=3),
+    dict(draft=True, tree=(2, 2)),
+], ids=["target", "chain", "model-tree"])
+def test_processed_logprobs_are_the_sampled_distributions(stream_pair, kw):
+  """logprobs_mode='processed': each new token's logprob and the top 4 under the
+  distribution it was drawn from (penalty, per-row temperature, top-k, top-p), as an
+  oracle written apart computes it from a full forward; tokens outside it get -inf, and
+  no drawn token is one (the output lies in its support)."""
+  target, draft = stream_pair
+  kw = dict(kw, draft=draft) if kw.get("draft") else kw
+  rows = dict(temperature=[0.7, 0.0, 1.3, 1.0], top_k=[5, 0, 0, 3], top_p=[1.0, 1.0, 0.8, 0.9])
+  prompts = [[1, 2, 3], [4], [5, 6, 7, 8, 9, 10, 0], [2, 2]]
+  out = specjax.generate(target, prompts, max_new_tokens=12, seed=3, logprobs=True,
+                         logprobs_mode="processed", top_logprobs=4, repetition_penalty=1.3,
+                         **rows, **kw)
+  for i, (prompt, new) in enumerate(zip(prompts, out.tokens)):
+    logits = np.asarray(target.logits(np.asarray([prompt + new])), np.float64)[0]
+    settings = [rows[k][i] for k in ("temperature", "top_k", "top_p")]
+    want = np.array([_processed(logits[len(prompt) - 1 + j], prompt + new[:j], *settings,
+                                1.3) for j in range(len(new))])
+    got = np.array(out.logprobs[i])
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, want[np.arange(len(new)), new], atol=1e-4)
+    _check_top(out.top_logprobs[i], want, 4, atol=1e-4)
+    if settings[0] == 0:
+      assert got.tolist() == [0.0] * len(new)
+  assert np.isinf([v for row in out.top_logprobs for pos in row for _, v in pos]).any()
 
 
 def test_logprobs_on_a_narrowed_pass():
@@ -463,6 +513,9 @@ def test_stream_hands_out_the_logprobs_and_logprobs_is_checked(stream_pair):
       (dict(logprobs=True, prompt_logprobs=1), "prompt_logprobs must be True or False"),
       (dict(top_logprobs=2), "need logprobs=True"),
       (dict(prompt_logprobs=True), "need logprobs=True"),
+      (dict(logprobs_mode="processed"), "need logprobs=True"),
+      (dict(logprobs=True, logprobs_mode="sampled"),
+       "logprobs_mode must be 'raw' or 'processed', got 'sampled'"),
       (dict(logprobs=True, top_logprobs=-1), "top_logprobs must be an int >= 0"),
       (dict(logprobs=True, top_logprobs=2.0), "top_logprobs"),
       (dict(logprobs=True, top_logprobs=target.config.vocab_size + 1),
