@@ -59,6 +59,9 @@ class Engine:
   top_logprobs: int = 0
   prompt_logprobs: bool = False
   logprobs_mode: str = "raw"
+  # Rows per prompt: `samples` adjacent rows hold the same prompt, and the prefill
+  # computes each prompt once and copies its caches (`generate`'s n).
+  samples: int = 1
 
   @property
   def gamma(self) -> int:
@@ -426,22 +429,30 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
 
 def prefill(engine: Engine, weights: Weights, tokens, prompt_len, prompt_width, cache_size,
             key, sampling: Sampling) -> DecodeState:
-  """Builds both caches from the prompts; the last prompt token stays pending."""
-  batch = tokens.shape[0]
-  head = tokens[:, :prompt_width]
-  target_kv = kv_cache.init_kv(engine.target, batch, cache_size,
+  """Builds both caches from the prompts; the last prompt token stays pending.
+
+  Each prompt's `engine.samples` rows are prefilled once: the caches are computed for
+  one row of each and copied to the others.
+  """
+  batch, copies = tokens.shape[0], engine.samples
+  head, lens = tokens[::copies, :prompt_width], prompt_len[::copies]
+  target_kv = kv_cache.init_kv(engine.target, batch // copies, cache_size,
                               model_lib.compute_dtype(weights.target))
   logits, target_kv, features = _target_pass(engine, weights.target, head, target_kv,
                                              empty=True)
+  draft_state = engine.drafter.init(batch // copies, cache_size)
+  draft_state = engine.drafter.prefill(weights.draft, draft_state, head, lens, features)
+  scored = None  # prompt token t given tokens[:t], t = 1..prompt_len-1
+  if engine.prompt_logprobs:
+    scored = _logprobs(logits[:, :-1], None, head[:, 1:], engine.top_logprobs)
+  if copies > 1:  # every leaf of the caches (and `scored`) is per row
+    target_kv, draft_state, scored = jax.tree_util.tree_map(
+        lambda x: jnp.repeat(x, copies, axis=0), (target_kv, draft_state, scored))
   logprobs = None
   if engine.logprobs:
     logprobs = Logprobs.zeros(tokens.shape, engine.top_logprobs)
-    if engine.prompt_logprobs:  # prompt token t given tokens[:t], t = 1..prompt_len-1
-      logprobs = logprobs.write(
-          _logprobs(logits[:, :-1], None, head[:, 1:], engine.top_logprobs),
-          jnp.ones_like(prompt_len), prompt_len - 1)
-  draft_state = engine.drafter.init(batch, cache_size)
-  draft_state = engine.drafter.prefill(weights.draft, draft_state, head, prompt_len, features)
+    if scored is not None:
+      logprobs = logprobs.write(scored, jnp.ones_like(prompt_len), prompt_len - 1)
   return DecodeState(
       tokens=tokens, n=prompt_len, prompt_len=prompt_len,
       done=jnp.zeros((batch,), bool), target_kv=target_kv.rollback(prompt_len - 1),

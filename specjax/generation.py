@@ -20,7 +20,7 @@ from specjax import drafters as drafters_lib
 from specjax.models import heads as heads_lib
 from specjax import policies
 from specjax.models.model import Model
-from specjax.processors.sampling import Sampling
+from specjax.processors.sampling import Sampling, map_rows
 from specjax.verify import rules as rules_lib
 
 DRAFTERS = ("model", "ngram", "eagle", "medusa")
@@ -409,13 +409,14 @@ def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p
             frequency_penalty=0.0, no_repeat_ngram_size=0, min_new_tokens=0, logit_bias=None,
             constraint=None, verify_rule="exact", rule_params=None, gamma_policy="fixed",
             draft_confidence=None, draft_cost=None, logprobs=False, top_logprobs=0,
-            prompt_logprobs=False, logprobs_mode="raw") -> Prepared:
+            prompt_logprobs=False, logprobs_mode="raw", n=1) -> Prepared:
   """Validates everything and returns the engine's static and traced arguments."""
   if not isinstance(target, Model):
     kind = "a draft head" if isinstance(target, heads_lib.Head) else type(target).__name__
     raise ValueError(f"target must be a specjax Model (load_pretrained(name)), got {kind}")
   prompts = check_prompts(prompts, target)
   batch = len(prompts)
+  n = checks.int_at_least("n", n, 1)
   logprobs, top_logprobs, prompt_logprobs = _logprob_args(
       logprobs, top_logprobs, prompt_logprobs, logprobs_mode, target.config.vocab_size)
   max_new_tokens = checks.int_at_least("max_new_tokens", max_new_tokens, 1)
@@ -474,16 +475,20 @@ def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p
     draft_params = draft.params if isinstance(drafter_obj, drafters_lib.ModelDrafter) else None
   if policy.kind == "ledger" and draft_cost is None:  # measure c and v once, here
     from specjax import costs
-    sc = costs.step_costs(target, drafter_obj, draft_params, batch, longest,
+    sc = costs.step_costs(target, drafter_obj, draft_params, batch * n, longest,
                           temperature=float(np.max(temperature)), repeats=2)
     policy = dataclasses.replace(policy, draft_cost=sc["c"] / sc["v"], verify_cost=sc["v"])
   # Left on the host: the compiled call moves numpy arguments itself for next to nothing,
   # where a `jax.device_put` of them here took 0.3-0.6 ms (docs/CPU_VERIFY.md, "Thirteenth pass").
   prompt_len = np.asarray([len(p) for p in prompts], np.int32)
+  if n > 1:  # a prompt's n rows are adjacent: the engine prefills one and copies it
+    tokens, prompt_len = np.repeat(tokens, n, axis=0), np.repeat(prompt_len, n)
+    sampling = jax.device_put(map_rows(sampling, lambda x: np.repeat(np.asarray(x), n, 0)))
   return Prepared(
       engine=decode_lib.Engine(target=target.config, drafter=drafter_obj, rule=rule,
                                policy=policy, logprobs=logprobs, top_logprobs=top_logprobs,
-                               prompt_logprobs=prompt_logprobs, logprobs_mode=logprobs_mode),
+                               prompt_logprobs=prompt_logprobs, logprobs_mode=logprobs_mode,
+                               samples=n),
       weights=decode_lib.Weights(target=target.params, draft=draft_params),
       prompt_width=prompt_width, cache_size=cache_size, tokens=tokens,
       prompt_len=prompt_len, sampling=sampling)
@@ -498,8 +503,10 @@ def _logprob_args(logprobs, top, prompt, mode, vocab: int):
   top = checks.int_at_least("top_logprobs", top, 0)
   if top > vocab:
     raise ValueError(f"top_logprobs must be <= the vocabulary size {vocab}, got {top}")
-  if (top or prompt or mode != "raw") and not logprobs:
-    raise ValueError("top_logprobs, prompt_logprobs and logprobs_mode need logprobs=True")
+  given = [name for name, on in (("top_logprobs", top), ("prompt_logprobs", prompt),
+                                  ("logprobs_mode", mode != "raw")) if on]
+  if given and not logprobs:
+    raise ValueError(f"{' and '.join(given)} need{'s' * (len(given) == 1)} logprobs=True")
   return bool(logprobs), top, bool(prompt)
 
 
@@ -515,7 +522,7 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
              draft_confidence: float | None = None,
              draft_cost: float | tuple[float, float] | None = None,
              logprobs: bool = False, top_logprobs: int = 0, prompt_logprobs: bool = False,
-             logprobs_mode: str = "raw", mesh=None) -> GenerateResult:
+             logprobs_mode: str = "raw", n: int = 1, mesh=None) -> GenerateResult:
   """Generates up to `max_new_tokens` new tokens for each prompt.
 
   With no `draft` and `drafter=None` this is plain autoregressive decoding. With a draft
@@ -588,20 +595,32 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
       rounds the cached and the full forward apart: up to ~0.1 nats on the shipped
       target in bfloat16). From the verify pass's own logits.
     top_logprobs: with logprobs, also the n most likely tokens at each new token's
-      position and their log-probabilities, under the same distribution
-      (`GenerateResult.top_logprobs`; OpenAI's top_logprobs). Costs a top-n over the
-      vocabulary at each verified position and [B, S, n] of state.
+      position and their log-probabilities, under the same distribution, most likely
+      first (ties: the lower id first) (`GenerateResult.top_logprobs`, (token,
+      logprob) tuples; OpenAI's top_logprobs). Costs a top-n over the vocabulary at
+      each verified position and 8n bytes of state per slot of the [B, S] buffer (n
+      may be as large as the vocabulary: mind the memory). In bfloat16, near-tied
+      entries may order differently from a full forward.
     prompt_logprobs: with logprobs, also the log-probability of each prompt token
-      given the tokens before it (and its position's top n), from the prefill's logits
-      (`GenerateResult.prompt_logprobs`; vLLM's prompt_logprobs): scoring a text needs
-      no generation beyond max_new_tokens=1. The prefill then computes the LM head at
-      every prompt position, not only the last.
+      given the tokens before it (`GenerateResult.prompt_logprobs`, None first) and,
+      with top_logprobs, its position's top n (`GenerateResult.prompt_top_logprobs`),
+      from the prefill's logits (like vLLM's prompt_logprobs, but a bool: the n is
+      top_logprobs'). Scoring a text needs no generation beyond max_new_tokens=1 (so
+      at most max_len - 1 tokens). The prefill then computes the LM head at every
+      prompt position, not only the last. A stream has them in its `result`.
+    Each value of top_logprobs, prompt_logprobs and logprobs_mode is its own compiled
+    program (they shape the state).
     logprobs_mode: 'raw' (the default, above) or 'processed': the new tokens' logprobs
       and top n under the distribution they were sampled from, after the processors,
       temperature, top-k and top-p (vLLM's processed_logprobs; what an RL update needs
       as the behaviour policy's). Tokens those exclude get -inf; a greedy row's token
       gets 0. The output follows that distribution under the exact verify rule (not
       under a lossy one). The prompt's logprobs stay raw: it was not sampled.
+    n: samples per prompt (OpenAI's and vLLM's n, transformers' num_return_sequences):
+      the result's rows i*n .. i*n + n - 1 are prompt i's, each drawing its own random
+      numbers (the same tokens as the prompt repeated n times, same seed). The prompt
+      is prefilled once and its caches copied to its n rows, so n samples pay one
+      prefill (on a mesh every row is prefilled).
     mesh: a jax Mesh with axes ('data', 'model') (`jax.make_mesh((dp, tp), ('data',
       'model'))`) to run on several devices (`specjax.models.sharding`): the target split over
       'model' (pass `specjax.shard(target, mesh)` to place it once, not every call), the
@@ -619,7 +638,7 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
                  min_new_tokens=min_new_tokens, logit_bias=logit_bias, constraint=constraint,
                  gamma_policy=gamma_policy, draft_confidence=draft_confidence,
                  draft_cost=draft_cost, logprobs=logprobs, top_logprobs=top_logprobs,
-                 prompt_logprobs=prompt_logprobs, logprobs_mode=logprobs_mode)
+                 prompt_logprobs=prompt_logprobs, logprobs_mode=logprobs_mode, n=n)
   if mesh is not None:
     from specjax.models import sharding
     args = sharding.distribute(args, mesh)  # its run() returns the caller's rows, on the host
@@ -648,9 +667,10 @@ def _result(target: Model, engine: decode_lib.Engine, state) -> GenerateResult:
     texts = [target.tokenizer.decode(t) for t in new]
   stats = dict(stats, lossless=engine.rule.lossless, gamma_policy=engine.policy.kind)
   out = GenerateResult(tokens=new, stats=stats, texts=texts)
-  if lp is not None:
-    out.logprobs = _spans(lp.chosen, prompt_len, n)
-    out.top_logprobs = _top_spans(lp, prompt_len, n)
+  if lp is None:
+    return out
+  out.logprobs = _spans(lp.chosen, prompt_len, n)
+  out.top_logprobs = _top_spans(lp, prompt_len, n)
   if engine.prompt_logprobs:  # slot 0 has nothing before it
     ones = np.ones_like(prompt_len)
     out.prompt_logprobs = [[None] + x for x in _spans(lp.chosen, ones, prompt_len)]

@@ -265,6 +265,17 @@ def test_ab_calls_compares_lossless_variants_against_target_only():
   assert "against_first" in out["ledger"] and "against_first" not in out["fixed"]
 
 
+def test_bench_samples_times_n_against_the_prompt_repeated():
+  from experiments import bench_samples
+  target = tiny_model(vocab=16, n_layers=2, seed=3)
+  out = bench_samples.compare_samples(
+      target, [[1, 2, 3, 1, 2], [4, 5, 4]], 3,
+      dict(max_new_tokens=4, temperature=1.0, drafter="ngram", gamma=2), repeats=1)
+  assert out["calls"] == 2 and set(out["call_s"]) == {"n", "repeated"}
+  assert out["repeated_over_n"]["median"] > 0
+  assert 0 < out["prefill_share_of_repeated"]["median"]
+
+
 def test_kernel_floor_times_the_library_kernel(tmp_path):
   # The C++ loop runs fewrow.cc's own kernel: its product matches a plain loop in both
   # panel layouts, and a timing run reports every row count (one thread, two, two

@@ -455,6 +455,52 @@ def test_processed_logprobs_are_the_sampled_distributions(stream_pair, kw):
   assert np.isinf([v for row in out.top_logprobs for pos in row for _, v in pos]).any()
 
 
+@pytest.mark.parametrize("kw", [
+    dict(draft=True, gamma=3, repetition_penalty=[1.0, 1.3]),
+    dict(drafter="ngram", tree=(2, 1)),
+], ids=["chain", "ngram-tree"])
+def test_n_samples_per_prompt_are_the_prompt_repeated(stream_pair, kw):
+  """n=3: rows i*3..i*3+2 are prompt i's, the tokens (and logprobs) of the prompts
+  repeated three times with the same seed and per-row settings; the samples differ."""
+  target, draft = stream_pair
+  kw = dict(kw, draft=draft) if kw.get("draft") else kw
+  prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 0]]
+  rows = dict(temperature=[0.8, 1.3], top_k=[0, 5])
+  out = specjax.generate(target, prompts, n=3, max_new_tokens=10, seed=4, logprobs=True,
+                         prompt_logprobs=True, **rows, **kw)
+  three = lambda x: np.repeat(x, 3).tolist() if isinstance(x, list) else x
+  want = specjax.generate(target, [p for p in prompts for _ in range(3)], max_new_tokens=10,
+                          seed=4, logprobs=True, prompt_logprobs=True,
+                          **{k: three(v) for k, v in {**rows, **kw}.items()})
+  assert out.tokens == want.tokens and out.texts == want.texts
+  assert out.logprobs == want.logprobs and out.prompt_logprobs == want.prompt_logprobs
+  assert out.stats["rows"] == 6 and out.stats["committed"] == want.stats["committed"]
+  assert len({tuple(t) for t in out.tokens[:3]}) == 3  # three different samples
+
+
+def test_n_samples_share_one_prefill(stream_pair, monkeypatch):
+  """The target and the draft prefill each prompt once; its caches go to its n rows."""
+  from specjax import decode as decode_lib
+  from specjax import generation
+  target, draft = stream_pair
+  seen = []
+  forward = decode_lib.model_lib.forward_cached
+
+  def counting(graphdef, params, tokens, kv, **kw):
+    seen.append(tokens.shape)
+    return forward(graphdef, params, tokens, kv, **kw)
+
+  monkeypatch.setattr(decode_lib.model_lib, "forward_cached", counting)  # draft's too
+  prepared = generation.prepare(
+      target, [[1, 2, 3], [4, 5]], max_new_tokens=4, temperature=1.0, top_k=0, top_p=1.0,
+      eos_id=None, draft=draft, gamma=2, n=4)
+  state = prepared.prefill(generation.seed_key(0))  # op by op: one forward each
+  assert [shape[0] for shape in seen] == [2, 2]  # the target's, then the draft's
+  assert state.target_kv.k[0].shape[0] == state.draft_state.k[0].shape[0] == 8
+  np.testing.assert_array_equal(state.target_kv.k[0][4], state.target_kv.k[0][7])
+  np.testing.assert_array_equal(state.target_kv.length, [2] * 4 + [1] * 4)
+
+
 def test_logprobs_on_a_narrowed_pass():
   """A Llama-shaped target narrows its CPU verify pass to the longest draft (the
   logits past it repeat its last position); the logprobs read no padded position."""
@@ -503,23 +549,28 @@ def test_stream_hands_out_the_logprobs_and_logprobs_is_checked(stream_pair):
     assert sum((c.logprobs[i] for c in chunks), []) == s.result.logprobs[i]
     assert all(len(c.logprobs[i]) == len(c.tokens[i]) for c in chunks)
     assert all(c.top_logprobs is None for c in chunks)
-  s = specjax.stream(target, [[1, 2], [3]], rounds_per_chunk=2, top_logprobs=2, **kw)
+  s = specjax.stream(target, [[1, 2], [3]], rounds_per_chunk=2, top_logprobs=2, n=2, **kw)
   chunks = list(s)
-  for i in range(2):
+  assert len(s.result.tokens) == 4 and all(len(c.tokens) == 4 for c in chunks)  # n=2 rows
+  for i in range(4):
+    assert sum((c.tokens[i] for c in chunks), []) == s.result.tokens[i]
     assert sum((c.top_logprobs[i] for c in chunks), []) == s.result.top_logprobs[i]
     assert all(len(c.top_logprobs[i]) == len(c.tokens[i]) for c in chunks)
   for bad, match in [
       (dict(logprobs="yes"), "logprobs must be True or False, got 'yes'"),
       (dict(logprobs=True, prompt_logprobs=1), "prompt_logprobs must be True or False"),
-      (dict(top_logprobs=2), "need logprobs=True"),
-      (dict(prompt_logprobs=True), "need logprobs=True"),
-      (dict(logprobs_mode="processed"), "need logprobs=True"),
+      (dict(top_logprobs=2), "^top_logprobs needs logprobs=True"),
+      (dict(prompt_logprobs=True, top_logprobs=1),
+       "^top_logprobs and prompt_logprobs need logprobs=True"),
+      (dict(logprobs_mode="processed"), "^logprobs_mode needs logprobs=True"),
       (dict(logprobs=True, logprobs_mode="sampled"),
        "logprobs_mode must be 'raw' or 'processed', got 'sampled'"),
       (dict(logprobs=True, top_logprobs=-1), "top_logprobs must be an int >= 0"),
       (dict(logprobs=True, top_logprobs=2.0), "top_logprobs"),
       (dict(logprobs=True, top_logprobs=target.config.vocab_size + 1),
        "top_logprobs must be <= the vocabulary size"),
+      (dict(n=0), "n must be an int >= 1, got 0"),
+      (dict(n=True), "n must be an int >= 1, got True"),
   ]:
     with pytest.raises(ValueError, match=match):
       specjax.generate(target, [[1, 2]], **bad)

@@ -133,6 +133,12 @@ def worker_mesh():
       res["t1/stream_prompt"] = [stream.result.prompt_logprobs,
                                  stream.result.prompt_top_logprobs]
       res["t1/stream_chunks"] = len(chunks)
+      # n=2 samples a prompt: on the mesh every row is prefilled, on one device each
+      # prompt once; the same tokens (6 rows, padded to 8 on dp = 2).
+      res["n2/mesh"], res["n2/one"] = (specjax.generate(
+          t, PROMPTS, max_new_tokens=STEPS, gamma=3, temperature=1.0, seed=7, n=2,
+          repetition_penalty=[1.0, 1.2, 1.4], **kw, **m).tokens
+          for t, m in ((target, dict(mesh=mesh)), (targets[name], {})))
       # The raw final state (same engine and shapes: no new compile).
       args = sharding.distribute(prepare(target, PROMPTS, max_new_tokens=STEPS, temperature=0.0,
                                          top_k=0, top_p=1.0, eos_id=None, draft=draft, gamma=3),
@@ -428,6 +434,9 @@ class MeshTest(parameterized.TestCase):
       self.assertEqual((got[0], want[0], len(got)), (None, None, len(want)))
       np.testing.assert_allclose(got[1:], want[1:], atol=1e-4)
     self.assertGreater(r["t1/stream_chunks"], 1)
+    self.assertEqual(r["n2/mesh"], r["n2/one"])
+    self.assertEqual(len(r["n2/one"]), 2 * len(PROMPTS))
+    self.assertNotEqual(r["n2/one"][0], r["n2/one"][1])
 
   @parameterized.parameters(("gpt2", 8), ("llama", 8), ("gpt2_int8", 4))
   def test_large_parameters_are_split(self, name, tp):

@@ -41,9 +41,9 @@ def init_kv(cfg: ModelConfig, batch: int, size: int, dtype=jnp.float32) -> KVSta
 def write(buffer: jax.Array, new: jax.Array, start: jax.Array, count=None) -> jax.Array:
   """Writes new[b, t] at slot start[b] + t of row b, for t < count[b] (default: all).
 
-  Token buffers are [B, S] (or [B, S, n]) with new [B, T] ([B, T, n]); KV buffers are [B, H, S, D] with new
-  [B, T, H, D]. Writes past the end are dropped, never shifted: a scatter, not
-  dynamic_update_slice. The scatter is written for one row and vmapped, so the batch is
+  Token buffers are [B, S] (or [B, S, n]) with new [B, T] ([B, T, n]); KV buffers
+  are [B, H, S, D] with new [B, T, H, D]. Writes past the end are dropped, never
+  shifted: a scatter, not dynamic_update_slice. The scatter is written for one row and vmapped, so the batch is
   a batching dimension of the scatter: with rows split over devices each device writes
   its own rows (a batch-indexed scatter made GSPMD gather every update first).
   """

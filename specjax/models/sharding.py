@@ -51,13 +51,11 @@ from specjax.models import kv_cache
 from specjax.models.config import ModelConfig
 from specjax.models.model import Model
 from specjax.models.tensor_layout import MODEL, host, layout_config, param_specs, plan, regroup
+from specjax.processors.sampling import PROCESSOR_ROWS, SAMPLING_ROWS, map_rows
 
 DATA = "data"
 # Per-row fields of `Sampling` and of `processors.ProcessorSettings` (everything else in
 # them is shared by all rows: stop tables, automaton tables, banned-token masks).
-SAMPLING_ROWS = ("temperature", "top_k", "top_p", "max_new")
-PROCESSOR_ROWS = ("repetition_penalty", "presence_penalty", "frequency_penalty",
-                  "no_repeat_ngram", "min_new", "logit_bias")
 
 
 def check_mesh(mesh) -> Mesh:
@@ -204,17 +202,10 @@ def _pad(x, extra):
   return np.concatenate([x, np.repeat(x[-1:], extra, axis=0)]) if extra else x
 
 
-def _rows(obj, fields, fn):
-  return obj.replace(**{f: fn(getattr(obj, f)) for f in fields})
-
-
 def _sampling(sampling, extra, mesh):
   """Sampling padded by `extra` rows and placed: per-row fields on 'data'."""
   rows, shared = NamedSharding(mesh, P(DATA)), NamedSharding(mesh, P())
-  out = _rows(sampling, SAMPLING_ROWS, lambda x: put(_pad(x, extra), rows))
-  if sampling.procs is not None:
-    out = out.replace(procs=_rows(sampling.procs, PROCESSOR_ROWS,
-                                  lambda x: put(_pad(x, extra), rows)))
+  out = map_rows(sampling, lambda x: put(_pad(x, extra), rows))
   placed = set(SAMPLING_ROWS) | {f"procs.{f}" for f in PROCESSOR_ROWS}
 
   def rest(path, x):
@@ -229,7 +220,8 @@ def distribute(prepared, mesh, shard_draft: bool = False):
 
   The target is sharded (kept as it is when `shard` already placed it for this mesh);
   a model draft is replicated, or sharded with shard_draft=True; the batch is padded
-  to a multiple of the 'data' axis with copies of the last row.
+  to a multiple of the 'data' axis with copies of the last row (and every row
+  prefilled: `Engine.samples` 1).
   """
   from specjax import decode as decode_lib
   mesh = check_mesh(mesh)
@@ -249,7 +241,8 @@ def distribute(prepared, mesh, shard_draft: bool = False):
                           mesh)
   rows = NamedSharding(mesh, P(DATA))
   return _distributed_class()(
-      engine=dataclasses.replace(engine, target=target.config, drafter=drafter, mesh=mesh),
+      engine=dataclasses.replace(engine, target=target.config, drafter=drafter, mesh=mesh,
+                                 samples=1),
       weights=decode_lib.Weights(target=target.params, draft=draft_params),
       prompt_width=prepared.prompt_width, cache_size=prepared.cache_size,
       tokens=put(_pad(prepared.tokens, extra), rows),

@@ -94,6 +94,20 @@ class Sampling:
 
 _ON_DEVICE: dict = {}  # `Sampling.create`'s settings -> their Sampling on the device
 
+# The per-row fields of a Sampling and of its processors' settings (the rest is shared).
+SAMPLING_ROWS = ("temperature", "top_k", "top_p", "max_new")
+PROCESSOR_ROWS = ("repetition_penalty", "presence_penalty", "frequency_penalty",
+                  "no_repeat_ngram", "min_new", "logit_bias")
+
+
+def map_rows(sampling: Sampling, fn) -> Sampling:
+  """`sampling` with fn applied to every per-row field (the rest as it is)."""
+  rows = lambda obj, fields: obj.replace(**{f: fn(getattr(obj, f)) for f in fields})
+  out = rows(sampling, SAMPLING_ROWS)
+  if sampling.procs is not None:
+    out = out.replace(procs=rows(sampling.procs, PROCESSOR_ROWS))
+  return out
+
 
 def _param(x, lead_shape, dtype):
   x = jnp.asarray(x, dtype)
