@@ -127,9 +127,10 @@ class DecodeState:
 
 @flax.struct.dataclass
 class Logprobs:
-  """The target's raw log-probabilities at each slot i of `DecodeState.tokens`, given
-  tokens[:i]: written for each committed token, and for the prompt's tokens 1.. where
-  `engine.prompt_logprobs` (0 elsewhere)."""
+  """The target's log-probabilities at each slot i of `DecodeState.tokens`, given
+  tokens[:i] (raw, or processed: `Engine.logprobs_mode`): written for each committed
+  token, and for the prompt's tokens 1.. (raw) where `engine.prompt_logprobs` (0
+  elsewhere)."""
   chosen: jax.Array  # float32[B, S]: log p(tokens[b, i] | tokens[b, :i])
   top_values: Any = None  # float32[B, S, n]: the n largest at slot i, descending (n > 0)
   top_ids: Any = None  # int32[B, S, n]: their tokens

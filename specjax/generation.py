@@ -87,7 +87,7 @@ class GenerateResult:
   stats: dict[str, Any]
   texts: list[str] | None = None  # decoded new tokens, when the target has a tokenizer
   # logprobs=True: log p(token | all before it) under the target's raw logits (no
-  # temperature, top-k/p or processors).
+  # temperature, top-k/p or processors; with logprobs_mode='processed', after them).
   logprobs: list[list[float]] | None = None
   # top_logprobs=n: at each new token's position, the n most likely (token, logprob)
   # pairs under the same distribution, most likely first.
@@ -608,14 +608,14 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
       top_logprobs'). Scoring a text needs no generation beyond max_new_tokens=1 (so
       at most max_len - 1 tokens). The prefill then computes the LM head at every
       prompt position, not only the last. A stream has them in its `result`.
-    Each value of top_logprobs, prompt_logprobs and logprobs_mode is its own compiled
-    program (they shape the state).
     logprobs_mode: 'raw' (the default, above) or 'processed': the new tokens' logprobs
       and top n under the distribution they were sampled from, after the processors,
       temperature, top-k and top-p (vLLM's processed_logprobs; what an RL update needs
       as the behaviour policy's). Tokens those exclude get -inf; a greedy row's token
       gets 0. The output follows that distribution under the exact verify rule (not
       under a lossy one). The prompt's logprobs stay raw: it was not sampled.
+      Each value of top_logprobs, prompt_logprobs and logprobs_mode is its own compiled
+      program (they shape the state), as is each n.
     n: samples per prompt (OpenAI's and vLLM's n, transformers' num_return_sequences):
       the result's rows i*n .. i*n + n - 1 are prompt i's, each drawing its own random
       numbers (the same tokens as the prompt repeated n times, same seed). The prompt

@@ -43,9 +43,10 @@ def write(buffer: jax.Array, new: jax.Array, start: jax.Array, count=None) -> ja
 
   Token buffers are [B, S] (or [B, S, n]) with new [B, T] ([B, T, n]); KV buffers
   are [B, H, S, D] with new [B, T, H, D]. Writes past the end are dropped, never
-  shifted: a scatter, not dynamic_update_slice. The scatter is written for one row and vmapped, so the batch is
-  a batching dimension of the scatter: with rows split over devices each device writes
-  its own rows (a batch-indexed scatter made GSPMD gather every update first).
+  shifted: a scatter, not dynamic_update_slice. The scatter is written for one row and
+  vmapped, so the batch is a batching dimension of the scatter: with rows split over
+  devices each device writes its own rows (a batch-indexed scatter made GSPMD gather
+  every update first).
   """
   t = new.shape[1]
   cols = start[:, None] + jnp.arange(t)[None, :]
