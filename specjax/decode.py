@@ -123,6 +123,9 @@ class DecodeState:
   draft_len: Any = None  # int32[B]: the heuristic γ policy's next length (None: fixed γ)
   draft_steps: Any = None  # int32: draft steps the adaptive draft loop ran, all rounds
   logprobs: Any = None  # `Logprobs`; None unless `engine.logprobs`
+  # bool[B]: the row ended at a stop (EOS, a stop sequence or string, a finished
+  # constraint, a prefix where every token is banned), not at its budget.
+  stopped: Any = None
 
 
 @flax.struct.dataclass
@@ -182,17 +185,18 @@ def stop_hits(tokens, n, prompt_len, new, stop_seqs, stop_lens):
 
 
 def commit_count(n_accepted, room, hits, done):
-  """(count, stops): tokens to commit per row, and whether the row is finished.
+  """(count, stops, at_hit): tokens to commit per row, whether the row is finished, and
+  whether at a stop hit.
 
   The commit is the accepted prefix plus one token, cut at the room left and just after
   the first stop hit (stop tokens are emitted); finished rows commit nothing.
   """
   count = jnp.minimum(n_accepted + 1, room)
-  hits = hits & (jnp.arange(hits.shape[1])[None, :] < count[:, None])
+  hits = hits & (jnp.arange(hits.shape[1])[None, :] < count[:, None]) & ~done[:, None]
   stopped = jnp.any(hits, axis=1)
   count = jnp.where(stopped, jnp.argmax(hits, axis=1) + 1, count)
   count = jnp.where(done, 0, count)
-  return count, stopped | (count >= room)
+  return count, stopped | (count >= room), stopped
 
 
 def update_stats(s: Stats, live, n_accepted, count, overlap, lengths=None,
@@ -399,9 +403,11 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
                                   processors.fsm_after(sampling.procs, light.fsm, new))
     if sampling.pcfg.stop_text:  # stop strings, matched on the text
       hits |= processors.stop_string_hits(sampling.procs, light, new)
+  budget = room
   if banned is not None:  # a prefix where every token is banned ends the row there
     room = jnp.minimum(room, _first_blocked(banned, n_accepted, before, room))
-  count, stop = commit_count(n_accepted, room, hits, state.done)
+  count, stop, at_hit = commit_count(n_accepted, room, hits, state.done)
+  at_stop = at_hit | (stop & (room < budget) & ~state.done)  # else at the budget
   tokens = kv_cache.write(state.tokens, new, state.n, count)
   logprobs = state.logprobs
   if logprobs is not None:
@@ -419,7 +425,7 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
     draft_state = drafter.rollback(draft_state, n, features, state.n - 1, path=path)
   return state.replace(
       history=history, logprobs=logprobs,
-      tokens=tokens, n=n, done=state.done | stop,
+      tokens=tokens, n=n, done=state.done | stop, stopped=state.stopped | at_stop,
       target_kv=target_kv.rollback(n - 1),
       draft_state=draft_state,
       key=key, target_calls=state.target_calls + 1,
@@ -456,7 +462,8 @@ def prefill(engine: Engine, weights: Weights, tokens, prompt_len, prompt_width, 
       logprobs = logprobs.write(scored, jnp.ones_like(prompt_len), prompt_len - 1)
   return DecodeState(
       tokens=tokens, n=prompt_len, prompt_len=prompt_len,
-      done=jnp.zeros((batch,), bool), target_kv=target_kv.rollback(prompt_len - 1),
+      done=jnp.zeros((batch,), bool), stopped=jnp.zeros((batch,), bool),
+      target_kv=target_kv.rollback(prompt_len - 1),
       draft_state=draft_state, key=key, target_calls=jnp.zeros((), jnp.int32),
       stats=Stats.zeros(batch, engine.gamma, trees.siblings(engine.drafter)),
       history=processors.init_history(sampling.pcfg, sampling.procs, tokens, prompt_len,

@@ -58,9 +58,9 @@ class Prepared:
         int(max_rounds)))
 
   def progress(self, state):
-    """(tokens, n, done, logprobs) of a state so far, on the host (logprobs: a
-    `decode.Logprobs`, None unless asked for)."""
-    return on_host((state.tokens, state.n, state.done, state.logprobs))
+    """(tokens, n, done, stopped, logprobs) of a state so far, on the host (logprobs:
+    a `decode.Logprobs`, None unless asked for)."""
+    return on_host((state.tokens, state.n, state.done, state.stopped, state.logprobs))
 
   def finish(self, state) -> decode_lib.DecodeState:
     """The caller's rows of a final state (a mesh's `Prepared` drops its padding)."""
@@ -86,6 +86,9 @@ class GenerateResult:
   tokens: list[list[int]]  # the new tokens of each prompt
   stats: dict[str, Any]
   texts: list[str] | None = None  # decoded new tokens, when the target has a tokenizer
+  # Why each row ended: 'stop' (EOS, a stop sequence or string, a finished constraint,
+  # a prefix where the processors ban every token) or 'length' (max_new_tokens).
+  finish_reasons: list[str] | None = None
   # logprobs=True: log p(token | all before it) under the target's raw logits (no
   # temperature, top-k/p or processors; with logprobs_mode='processed', after them).
   logprobs: list[list[float]] | None = None
@@ -319,14 +322,14 @@ def on_host(tree):
 
 
 def fetch(state: decode_lib.DecodeState, gamma: int):
-  """(tokens, n, prompt_len, stats, logprobs) on the host, fetched together (each
-  separate fetch waits on its own); stats: the run's counters summed over rows, and
-  every rate (`with_rates`); logprobs: a `decode.Logprobs`, None unless the engine
-  kept them."""
-  tokens, n, prompt_len, logprobs, *counters = on_host(
-      (state.tokens, state.n, state.prompt_len, state.logprobs, state.stats,
+  """(tokens, n, prompt_len, stats, logprobs, stopped) on the host, fetched together
+  (each separate fetch waits on its own); stats: the run's counters summed over rows,
+  and every rate (`with_rates`); logprobs: a `decode.Logprobs`, None unless the engine
+  kept them; stopped: bool[B], the row ended at a stop (`DecodeState.stopped`)."""
+  tokens, n, prompt_len, logprobs, stopped, *counters = on_host(
+      (state.tokens, state.n, state.prompt_len, state.logprobs, state.stopped, state.stats,
        state.target_calls, state.draft_steps))
-  return tokens, n, prompt_len, _summary(*counters, gamma), logprobs
+  return tokens, n, prompt_len, _summary(*counters, gamma), logprobs, stopped
 
 
 def _summary(s, target_calls, draft_steps, gamma: int) -> dict[str, Any]:
@@ -659,14 +662,20 @@ def _top_spans(lp, start, end):
                                  _spans(lp.top_values, start, end))]
 
 
+def _reasons(done, stopped):
+  """Each row's finish reason: 'stop', 'length', or None while it runs."""
+  return [("stop" if s else "length") if d else None for d, s in zip(done, stopped)]
+
+
 def _result(target: Model, engine: decode_lib.Engine, state) -> GenerateResult:
-  tokens, n, prompt_len, stats, lp = fetch(state, engine.gamma)
+  tokens, n, prompt_len, stats, lp, stopped = fetch(state, engine.gamma)
   new = _spans(tokens, prompt_len, n)
   texts = None
   if target.tokenizer is not None:
     texts = [target.tokenizer.decode(t) for t in new]
   stats = dict(stats, lossless=engine.rule.lossless, gamma_policy=engine.policy.kind)
-  out = GenerateResult(tokens=new, stats=stats, texts=texts)
+  out = GenerateResult(tokens=new, stats=stats, texts=texts,
+                       finish_reasons=_reasons([True] * len(new), stopped))
   if lp is None:
     return out
   out.logprobs = _spans(lp.chosen, prompt_len, n)
@@ -688,6 +697,7 @@ class Chunk:
   # (where decoding more tokens never rewrites the text of earlier ones).
   texts: list[str] | None
   done: list[bool]  # the row has finished: nothing more will come
+  finish_reasons: list[str | None] | None = None  # as GenerateResult's; None: running
   logprobs: list[list[float]] | None = None  # as GenerateResult.logprobs, for these tokens
   top_logprobs: list[list[list[tuple[int, float]]]] | None = None  # and top_logprobs
 
@@ -721,8 +731,8 @@ class Stream:
     while True:
       limit += rounds
       state = prepared.resume(state, limit)
-      tokens, n, done, lp = jax.tree_util.tree_map(lambda x: x[:batch],
-                                                   prepared.progress(state))
+      tokens, n, done, stopped, lp = jax.tree_util.tree_map(lambda x: x[:batch],
+                                                            prepared.progress(state))
       chunk = _spans(tokens, sent, n)
       logprobs = None if lp is None else _spans(lp.chosen, sent, n)
       top = _top_spans(lp, sent, n)
@@ -730,8 +740,8 @@ class Stream:
       finished = bool(np.all(done)) or limit >= decode_lib.NO_ROUND_LIMIT - rounds
       texts = None if detok is None else [
           t.add(c, bool(d)) for t, c, d in zip(detok, chunk, done)]
-      yield Chunk(tokens=chunk, texts=texts, done=[bool(d) for d in done], logprobs=logprobs,
-                  top_logprobs=top)
+      yield Chunk(tokens=chunk, texts=texts, done=[bool(d) for d in done],
+                  finish_reasons=_reasons(done, stopped), logprobs=logprobs, top_logprobs=top)
       if finished:
         break
     self._result = _result(target, engine, prepared.finish(state))

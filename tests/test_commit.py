@@ -70,22 +70,26 @@ class CommitCountTest(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_table(self):
-    # columns: accepted a, room, hits over the γ+1 = 4 candidates, done -> count, stops
+    # columns: accepted a, room, hits over the γ+1 = 4 candidates, done -> count, stops,
+    # at a stop hit
     cases = [
-        (2, 10, [0, 0, 0, 0], False, 3, False),  # a accepted + one token
-        (3, 10, [0, 0, 0, 0], False, 4, False),  # all accepted + bonus
-        (3, 2, [0, 0, 0, 0], False, 2, True),    # cut by the room left: finished
-        (3, 10, [0, 1, 0, 1], False, 2, True),   # cut just after the first stop token
-        (1, 10, [0, 0, 0, 1], False, 2, False),  # a stop past the commit does not count
-        (0, 10, [1, 0, 0, 0], False, 1, True),   # the correction token itself stops
-        (2, 10, [0, 0, 0, 0], True, 0, False),   # finished rows commit nothing
-        (0, 0, [0, 0, 0, 0], False, 0, True),    # no room at all
+        (2, 10, [0, 0, 0, 0], False, 3, False, False),  # a accepted + one token
+        (3, 10, [0, 0, 0, 0], False, 4, False, False),  # all accepted + bonus
+        (3, 2, [0, 0, 0, 0], False, 2, True, False),    # cut by the room left: finished
+        (3, 10, [0, 1, 0, 1], False, 2, True, True),    # cut just after the first stop
+        (1, 10, [0, 0, 0, 1], False, 2, False, False),  # a stop past the commit: none
+        (0, 10, [1, 0, 0, 0], False, 1, True, True),    # the correction token stops
+        (3, 2, [0, 1, 0, 0], False, 2, True, True),     # a stop at the room's last token
+        (2, 10, [0, 0, 0, 0], True, 0, False, False),   # finished rows commit nothing
+        (2, 10, [1, 0, 0, 0], True, 0, False, False),   # ... nor stop again
+        (0, 0, [0, 0, 0, 0], False, 0, True, False),    # no room at all
     ]
-    a, room, hits, done, want_count, want_stop = zip(*cases)
-    count, stops = self.variant(decode_lib.commit_count)(
+    a, room, hits, done, want_count, want_stop, want_hit = zip(*cases)
+    count, stops, at_hit = self.variant(decode_lib.commit_count)(
         jnp.asarray(a), jnp.asarray(room), jnp.asarray(hits, bool), jnp.asarray(done))
     np.testing.assert_array_equal(count, want_count)
     np.testing.assert_array_equal(stops, want_stop)
+    np.testing.assert_array_equal(at_hit, want_hit)
 
 
 class UpdateStatsTest(chex.TestCase):

@@ -344,6 +344,36 @@ def test_stream_text_passes_tokens_that_render_nothing_and_stays_linear():
   assert sum(decoded) < 8 * 400  # the whole row each chunk: ~200 * 400 / 2
 
 
+def test_finish_reasons(stream_pair):
+  """'stop' for a row that ended at EOS (also on its budget's last token), a stop
+  sequence, or a prefix where every token is banned; 'length' for one that used its
+  budget; a stream's chunks say None until the row is done."""
+  target, draft = stream_pair
+  prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [2, 2]]
+  free = specjax.generate(target, prompts, max_new_tokens=8, draft=draft, gamma=3)
+  assert free.finish_reasons == ["length"] * 4
+  eos, at = free.tokens[0][5], free.tokens[0].index(free.tokens[0][5])  # row 0's budget
+  out = specjax.generate(target, prompts, max_new_tokens=at + 1, eos_id=eos, draft=draft,
+                         gamma=3)
+  assert out.tokens[0][-1] == eos and len(out.tokens[0]) == at + 1
+  for tokens, reason in zip(out.tokens, out.finish_reasons):
+    assert reason == ("stop" if tokens[-1] == eos else "length"), (tokens, reason)
+    assert reason == "stop" or len(tokens) == at + 1
+  stop = specjax.generate(target, prompts, max_new_tokens=8, draft=draft, gamma=3,
+                          stop_sequences=[free.tokens[1][2:4]])
+  assert stop.finish_reasons[1] == "stop" and len(stop.tokens[1]) <= 4
+  banned = specjax.generate(target, [[1, 2, 3]], max_new_tokens=20, drafter="ngram",
+                            no_repeat_ngram_size=1, temperature=1.0)
+  assert len(banned.tokens[0]) == 9 and banned.finish_reasons == ["stop"]  # 12 tokens seen
+  s = specjax.stream(target, prompts, max_new_tokens=at + 1, eos_id=eos, draft=draft,
+                     gamma=3, rounds_per_chunk=1)
+  chunks = list(s)
+  assert s.result.finish_reasons == out.finish_reasons
+  for c in chunks:
+    assert [r is not None for r in c.finish_reasons] == c.done
+  assert chunks[-1].finish_reasons == out.finish_reasons
+
+
 def _log_softmax(target, ids):
   """float64 [len(ids), V]: log p(. | ids[:i + 1]) from one full forward."""
   logits = np.asarray(target.logits(np.asarray([ids])), np.float64)[0]

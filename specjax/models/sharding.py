@@ -258,6 +258,7 @@ def collect(state, rows: int):
   first = lambda x: host(x)[:rows]
   return state.replace(tokens=first(state.tokens), n=first(state.n),
                        prompt_len=first(state.prompt_len), done=first(state.done),
+                       stopped=first(state.stopped),
                        stats=jax.tree_util.tree_map(first, state.stats),
                        target_calls=host(state.target_calls), target_kv=None,
                        draft_state=None, history=None, key=host(state.key),
@@ -289,6 +290,7 @@ def _distributed_class():
 
     def progress(self, state):  # gathered across processes, as `collect` does
       return jax.tree_util.tree_map(lambda x: host(x)[:self.rows],
-                                    (state.tokens, state.n, state.done, state.logprobs))
+                                    (state.tokens, state.n, state.done, state.stopped,
+                                     state.logprobs))
 
   return Distributed
