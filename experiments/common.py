@@ -14,6 +14,7 @@ import numpy as np
 
 import specjax
 from specjax import costs
+from specjax import decode as decode_lib
 from specjax.training import data as data_lib
 from specjax import generation
 from specjax.models import heads as heads_lib
@@ -217,6 +218,50 @@ def compare_calls(target, prompts, base: dict, variants: dict[str, dict],
     out[name]["against_first"] = _quartiles([a / t for a, t in zip(times[first],
                                                                      times[name])])
   return out
+
+
+def compare_samples(target, prompts, n: int, kw: dict, repeats: int) -> dict:
+  """n=`n` against [prompt] * n, one prompt a call, interleaved; the tokens checked
+  equal on every call. Returns the medians, quartiles of repeated / n and of the
+  repeated batch's prefill over its call, and the pairs timed."""
+  sides = {"n": lambda p, seed: specjax.generate(target, [p], n=n, seed=seed, **kw),
+           "repeated": lambda p, seed: specjax.generate(target, [p] * n, seed=seed, **kw)}
+
+  def prefill(p):  # the repeated batch's prefill alone, as the call compiles it
+    args = generation.prepare(target, [p] * n, **{"top_k": 0, "top_p": 1.0, "eos_id": None,
+                                                  **kw})
+    return lambda: jax.block_until_ready(decode_lib.start(
+        args.engine, args.prompt_width, args.cache_size,
+        decode_lib.laid_out(args.engine, args.weights), args.tokens, args.prompt_len,
+        args.sampling, generation.seed_key(0)))
+
+  prefills = [prefill(p) for p in prompts]
+  for i, p in enumerate(prompts):  # compile and warm
+    for side in sides.values():
+      side(p, i)
+    prefills[i]()
+  times = {name: [] for name in sides}
+  ratios, shares = [], []
+  for r in range(repeats):
+    for i, p in enumerate(prompts):
+      order = list(sides) if (r + i) % 2 == 0 else list(sides)[::-1]
+      got = {}
+      for name in order:
+        start = time.perf_counter()
+        out = sides[name](p, i)
+        t = time.perf_counter() - start
+        times[name].append(t)
+        got[name] = out.tokens
+      if got["n"] != got["repeated"]:
+        raise AssertionError(f"n={n} and the repeated prompt gave different tokens")
+      ratios.append(times["repeated"][-1] / times["n"][-1])
+      start = time.perf_counter()
+      prefills[i]()
+      t_prefill = time.perf_counter() - start
+      shares.append(t_prefill / times["repeated"][-1])
+  return dict(call_s={k: statistics.median(v) for k, v in times.items()},
+              repeated_over_n=_quartiles(ratios),
+              prefill_share_of_repeated=_quartiles(shares), calls=len(ratios))
 
 
 # ----------------------------------------------------------------------------------

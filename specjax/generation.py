@@ -89,6 +89,7 @@ class GenerateResult:
   # Why each row ended: 'stop' (EOS, a stop sequence or string, a finished constraint,
   # a prefix where the processors ban every token) or 'length' (max_new_tokens).
   finish_reasons: list[str] | None = None
+  prompt_tokens: list[list[int]] | None = None  # each row's prompt ids (strings encoded)
   # logprobs=True: log p(token | all before it) under the target's raw logits (no
   # temperature, top-k/p or processors; with logprobs_mode='processed', after them).
   logprobs: list[list[float]] | None = None
@@ -503,7 +504,7 @@ def _logprob_args(logprobs, top, prompt, mode, vocab: int):
       raise ValueError(f"{name} must be True or False, got {value!r}")
   if mode not in ("raw", "processed"):
     raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {mode!r}")
-  top = checks.int_at_least("top_logprobs", top, 0)
+  top = checks.int_at_least("top_logprobs", 0 if top is None else top, 0)
   if top > vocab:
     raise ValueError(f"top_logprobs must be <= the vocabulary size {vocab}, got {top}")
   given = [name for name, on in (("top_logprobs", top), ("prompt_logprobs", prompt),
@@ -597,7 +598,7 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
       a CPU: ~1e-5; a model computing in bfloat16, or a TPU's default float32 passes,
       rounds the cached and the full forward apart: up to ~0.1 nats on the shipped
       target in bfloat16). From the verify pass's own logits.
-    top_logprobs: with logprobs, also the n most likely tokens at each new token's
+    top_logprobs: with logprobs (0 or None: none), also the n most likely tokens at each new token's
       position and their log-probabilities, under the same distribution, most likely
       first (ties: the lower id first) (`GenerateResult.top_logprobs`, (token,
       logprob) tuples; OpenAI's top_logprobs). Costs a top-n over the vocabulary at
@@ -605,7 +606,8 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
       may be as large as the vocabulary: mind the memory). In bfloat16, near-tied
       entries may order differently from a full forward.
     prompt_logprobs: with logprobs, also the log-probability of each prompt token
-      given the tokens before it (`GenerateResult.prompt_logprobs`, None first) and,
+      given the tokens before it (`GenerateResult.prompt_logprobs`, None first, aligned
+      with `GenerateResult.prompt_tokens`) and,
       with top_logprobs, its position's top n (`GenerateResult.prompt_top_logprobs`),
       from the prefill's logits (like vLLM's prompt_logprobs, but a bool: the n is
       top_logprobs'). Scoring a text needs no generation beyond max_new_tokens=1 (so
@@ -675,7 +677,8 @@ def _result(target: Model, engine: decode_lib.Engine, state) -> GenerateResult:
     texts = [target.tokenizer.decode(t) for t in new]
   stats = dict(stats, lossless=engine.rule.lossless, gamma_policy=engine.policy.kind)
   out = GenerateResult(tokens=new, stats=stats, texts=texts,
-                       finish_reasons=_reasons([True] * len(new), stopped))
+                       finish_reasons=_reasons([True] * len(new), stopped),
+                       prompt_tokens=_spans(tokens, np.zeros_like(prompt_len), prompt_len))
   if lp is None:
     return out
   out.logprobs = _spans(lp.chosen, prompt_len, n)

@@ -266,9 +266,9 @@ def test_ab_calls_compares_lossless_variants_against_target_only():
 
 
 def test_bench_samples_times_n_against_the_prompt_repeated():
-  from experiments import bench_samples
+  from experiments import common
   target = tiny_model(vocab=16, n_layers=2, seed=3)
-  out = bench_samples.compare_samples(
+  out = common.compare_samples(
       target, [[1, 2, 3, 1, 2], [4, 5, 4]], 3,
       dict(max_new_tokens=4, temperature=1.0, drafter="ngram", gamma=2), repeats=1)
   assert out["calls"] == 2 and set(out["call_s"]) == {"n", "repeated"}

@@ -424,7 +424,7 @@ def test_logprobs_are_the_targets_teacher_forced_ones(stream_pair, kw):
                                atol=2e-5)
     _check_top(out.top_logprobs[i], logp[len(prompt) - 1:-1], 3)
     first, *rest = out.prompt_logprobs[i]
-    assert first is None and len(rest) == len(prompt) - 1
+    assert first is None and len(rest) == len(prompt) - 1 and out.prompt_tokens[i] == prompt
     np.testing.assert_allclose(rest, [logp[t - 1, prompt[t]] for t in range(1, len(prompt))],
                                atol=2e-5)
     first, *rest = out.prompt_top_logprobs[i]
@@ -433,6 +433,7 @@ def test_logprobs_are_the_targets_teacher_forced_ones(stream_pair, kw):
   plain = specjax.generate(target, prompts, max_new_tokens=12, eos_id=4, seed=3, **kw)
   assert plain.tokens == out.tokens and plain.logprobs is None
   assert plain.top_logprobs is plain.prompt_logprobs is plain.prompt_top_logprobs is None
+  assert specjax.generate(target, [[1]], top_logprobs=None).top_logprobs is None
 
 
 def _processed(logits, history, temperature, top_k, top_p, penalty):
