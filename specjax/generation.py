@@ -24,6 +24,7 @@ from specjax.processors.sampling import Sampling, map_rows
 from specjax.verify import rules as rules_lib
 
 DRAFTERS = ("model", "ngram", "eagle", "medusa")
+MAX_ROWS = 2 ** 20  # prompts x n: far past any batch that fits, short of numpy's overflow
 DRAFT_SAMPLE_MODES = ("probabilistic", "greedy")
 HEAD_DRAFTERS = ("eagle", "medusa")
 
@@ -421,6 +422,9 @@ def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p
   prompts = check_prompts(prompts, target)
   batch = len(prompts)
   n = checks.int_at_least("n", n, 1)
+  if batch * n > MAX_ROWS:
+    raise ValueError(f"n={n} samples of {batch} prompt(s) make {batch * n} rows; at most "
+                     f"{MAX_ROWS}")
   logprobs, top_logprobs, prompt_logprobs = _logprob_args(
       logprobs, top_logprobs, prompt_logprobs, logprobs_mode, target.config.vocab_size)
   max_new_tokens = checks.int_at_least("max_new_tokens", max_new_tokens, 1)
@@ -618,14 +622,17 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
       temperature, top-k and top-p (vLLM's processed_logprobs; what an RL update needs
       as the behaviour policy's). Tokens those exclude get -inf; a greedy row's token
       gets 0. The output follows that distribution under the exact verify rule (not
-      under a lossy one). The prompt's logprobs stay raw: it was not sampled.
-      Each value of top_logprobs, prompt_logprobs and logprobs_mode is its own compiled
-      program (they shape the state), as is each n.
+      under a lossy one, where a drawn token may even get -inf). The prompt's logprobs
+      stay raw: it was not sampled.
+      Each value of top_logprobs, prompt_logprobs, logprobs_mode and n is its own
+      compiled program (static settings of the engine).
     n: samples per prompt (OpenAI's and vLLM's n, transformers' num_return_sequences):
-      the result's rows i*n .. i*n + n - 1 are prompt i's, each drawing its own random
-      numbers (the same tokens as the prompt repeated n times, same seed). The prompt
-      is prefilled once and its caches copied to its n rows, so n samples pay one
-      prefill (on a mesh every row is prefilled).
+      the result's rows i*n .. i*n + n - 1 are prompt i's; per-row settings take one
+      value per prompt. They are the rows of the prompt repeated n times with the same
+      seed, each drawing its own random numbers, up to floating-point rounding: the
+      prompt is prefilled once and its caches copied to its n rows, so n samples pay
+      one prefill, where n copies' larger prefill may take another kernel (on a mesh
+      every row is prefilled). At most 2**20 rows in all.
     mesh: a jax Mesh with axes ('data', 'model') (`jax.make_mesh((dp, tp), ('data',
       'model'))`) to run on several devices (`specjax.models.sharding`): the target split over
       'model' (pass `specjax.shard(target, mesh)` to place it once, not every call), the

@@ -504,7 +504,10 @@ def test_n_samples_per_prompt_are_the_prompt_repeated(stream_pair, kw):
                           seed=4, logprobs=True, prompt_logprobs=True,
                           **{k: three(v) for k, v in {**rows, **kw}.items()})
   assert out.tokens == want.tokens and out.texts == want.texts
-  assert out.logprobs == want.logprobs and out.prompt_logprobs == want.prompt_logprobs
+  # The repeated batch's larger prefill may take another kernel: equal up to rounding.
+  for got, ref in [*zip(out.logprobs, want.logprobs),
+                   *((g[1:], r[1:]) for g, r in zip(out.prompt_logprobs, want.prompt_logprobs))]:
+    np.testing.assert_allclose(got, ref, atol=1e-5)
   assert out.stats["rows"] == 6 and out.stats["committed"] == want.stats["committed"]
   assert len({tuple(t) for t in out.tokens[:3]}) == 3  # three different samples
 
@@ -602,6 +605,7 @@ def test_stream_hands_out_the_logprobs_and_logprobs_is_checked(stream_pair):
        "top_logprobs must be <= the vocabulary size"),
       (dict(n=0), "n must be an int >= 1, got 0"),
       (dict(n=True), "n must be an int >= 1, got True"),
+      (dict(n=2 ** 20 + 1), r"n=1048577 samples of 1 prompt\(s\) make 1048577 rows"),
   ]:
     with pytest.raises(ValueError, match=match):
       specjax.generate(target, [[1, 2]], **bad)
