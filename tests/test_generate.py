@@ -365,6 +365,15 @@ def test_finish_reasons(stream_pair):
   banned = specjax.generate(target, [[1, 2, 3]], max_new_tokens=20, drafter="ngram",
                             no_repeat_ngram_size=1, temperature=1.0)
   assert len(banned.tokens[0]) == 9 and banned.finish_reasons == ["stop"]  # 12 tokens seen
+  # A constraint whose text is complete, with nothing to follow: stop, on the budget too.
+  from specjax.processors import constraints
+  nxt = np.full((3, 12), constraints.DEAD)
+  nxt[0, [0, 1, 2, 3]], nxt[1, [5, 6]] = 1, 2
+  auto = constraints.TokenAutomaton(next=nxt, accept=np.array([False, False, True]))
+  for budget in (10, 2):
+    done = specjax.generate(target, prompts, max_new_tokens=budget, constraint=auto,
+                            temperature=1.0, draft=draft, gamma=3)
+    assert [len(t) for t in done.tokens] == [2] * 4 and done.finish_reasons == ["stop"] * 4
   s = specjax.stream(target, prompts, max_new_tokens=at + 1, eos_id=eos, draft=draft,
                      gamma=3, rounds_per_chunk=1)
   chunks = list(s)
