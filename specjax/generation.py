@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -101,6 +102,24 @@ class GenerateResult:
   # nothing comes before), and their top n where top_logprobs=n.
   prompt_logprobs: list[list[float | None]] | None = None
   prompt_top_logprobs: list[list[list[tuple[int, float]] | None]] | None = None
+
+  def __eq__(self, other):
+    # A rate with nothing to count is NaN (`_summary`): equal results compare equal.
+    if not isinstance(other, GenerateResult):
+      return NotImplemented
+    return all(_same(getattr(self, f.name), getattr(other, f.name))
+               for f in dataclasses.fields(self))
+
+
+def _same(a, b) -> bool:
+  """a == b, where NaN equals NaN, through dicts, lists and tuples."""
+  if isinstance(a, float) and isinstance(b, float):
+    return a == b or (math.isnan(a) and math.isnan(b))
+  if isinstance(a, dict) and isinstance(b, dict):
+    return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+  if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+    return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+  return a == b
 
 
 def check_prompts(prompts, model: Model) -> list[list[int]]:

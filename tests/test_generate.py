@@ -233,6 +233,15 @@ def test_a_draft_with_another_tokenizer_is_refused(stream_pair):
     draft.tokenizer = None
 
 
+def test_equal_results_compare_equal(stream_pair):
+  """Target-only drafts nothing: its acceptance rates are NaN, and still equal."""
+  target, _ = stream_pair
+  a, b = (specjax.generate(target, [[1, 2]], max_new_tokens=3) for _ in range(2))
+  assert np.isnan(a.stats["acceptance_rate"]) and a == b
+  c = specjax.generate(target, [[1, 2]], max_new_tokens=3, seed=1, temperature=1.0)
+  assert a != c and a != a.tokens
+
+
 def test_stream_hands_out_what_generate_returns(stream_pair):
   """Chunks add up to generate's tokens and text, and its result is generate's (same
   seed: rounds in chunks draw what one call draws), at T = 0 and T > 0 in one batch."""
@@ -256,6 +265,7 @@ def test_stream_hands_out_what_generate_returns(stream_pair):
       assert c.done[i] or not c.texts[i].endswith("\ufffd")
   assert s.result.tokens == want.tokens and s.result.texts == want.texts
   assert s.result.stats == want.stats
+  assert s.result == want
   assert any("\ufffd" in t for t in want.texts)  # the rows did end mid-character
   assert any(b"\xc3\xa9".decode() in t or "€" in t for t in want.texts)
 
