@@ -8,6 +8,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # another ~40% faster and run these models as fast. Benchmarks never run under these flags.
 os.environ.setdefault(
     "XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false")
+# jax's own (rolled) Threefry lowering: the same bits as the unrolled one specjax registers
+# for CPU runs (tests/test_rng.py checks both), whose twenty rounds unrolled at every draw
+# site made a token tree's program a fifth slower to compile. Inherited by the notebooks'
+# kernels and the sharding workers.
+os.environ.setdefault("SPECJAX_UNROLLED_THREEFRY", "0")
 # One persistent compilation cache for the session, inherited by the notebooks' kernels and
 # the sharding workers: a program compiled again (after `clear_cache`, in a subprocess, by
 # an identical jit elsewhere) is read back instead of rebuilt.
@@ -78,10 +83,10 @@ def greedy_oracle(model, prompt, steps):
   """Repeated argmax of the uncached full forward.
 
   The sequence is zero-padded to a fixed width (causal attention never looks right), so
-  one compiled forward serves every step.
+  one compiled forward serves every step, and (rounded up to 32) nearby prompts too.
   """
   seq = list(prompt)
-  width = len(prompt) + steps
+  width = min(-(-(len(prompt) + steps) // 32) * 32, model.config.max_len)
   for _ in range(steps):
     padded = jnp.array([seq + [0] * (width - len(seq))])
     seq.append(int(jnp.argmax(model.logits(padded)[0, len(seq) - 1])))

@@ -1,4 +1,9 @@
-"""specjax's unrolled Threefry on the CPU: jax's own hash, the same bits, no loop."""
+"""specjax's unrolled Threefry on the CPU: jax's own hash, the same bits, no loop.
+
+The tests run under jax's own rolled lowering (tests/conftest.py sets
+SPECJAX_UNROLLED_THREEFRY=0: programs compile faster); here its draws are compared with
+those of a process importing specjax with the default, the unrolled lowering.
+"""
 import os
 import subprocess
 import sys
@@ -6,7 +11,7 @@ import sys
 import jax
 import numpy as np
 
-from specjax import rng  # importing specjax registers the lowering
+from specjax import rng
 
 # Draws of every kind a round makes: split, fold_in, bits, uniform, gumbel.
 _DRAWS = """
@@ -17,25 +22,23 @@ draws = [jax.random.split(key, 5), jax.random.fold_in(a, 3), jax.random.bits(b, 
          jax.random.uniform(a, (3, 2048)), jax.random.gumbel(b, (2, 70)),
          jax.jit(lambda k: jax.random.uniform(jax.random.fold_in(k, 1), (33,)))(a)]
 """
+_HLO = lambda: jax.jit(lambda k: jax.random.uniform(k, (2048,))).lower(
+    jax.random.PRNGKey(0)).compile().as_text()
 
 
-def test_unrolled_on_import_without_a_loop():
-  assert rng.status() == "unrolled", rng.status()
-  hlo = jax.jit(lambda k: jax.random.uniform(k, (2048,))).lower(
-      jax.random.PRNGKey(0)).compile().as_text()
-  assert " while(" not in hlo
-
-
-def test_the_same_bits_as_jax_rolled_loop():
+def test_unrolled_by_default_without_a_loop_and_the_same_bits_as_jax_rolled_loop():
+  assert rng.status() == "turned off by SPECJAX_UNROLLED_THREEFRY=0", rng.status()
+  assert " while(" in _HLO()  # jax's rolled loop, in this process
   scope = {}
   exec(_DRAWS, scope)
   here = b"".join(np.asarray(x).tobytes() for x in scope["draws"])
-  code = (_DRAWS + "import sys, specjax\nfrom specjax import rng\nprint(rng.status())\n"
-          "hlo = jax.jit(lambda k: jax.random.uniform(k, (8,))).lower(key).compile().as_text()\n"
-          "print(' while(' in hlo)\n"
+  code = ("import sys, specjax\nfrom specjax import rng\n" + _DRAWS +
+          "hlo = jax.jit(lambda k: jax.random.uniform(k, (2048,))).lower(key).compile().as_text()\n"
+          "print(rng.status())\nprint(' while(' in hlo)\n"
           "sys.stdout.write(b''.join(np.asarray(x).tobytes() for x in draws).hex())")
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       env={**os.environ, "SPECJAX_UNROLLED_THREEFRY": "0"}, check=True)
-  status, rolled, bits = out.stdout.strip().split("\n")
-  assert status == "turned off by SPECJAX_UNROLLED_THREEFRY=0" and rolled == "True"
+  env = {k: v for k, v in os.environ.items() if k != "SPECJAX_UNROLLED_THREEFRY"}  # default
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       check=True)
+  status, loop, bits = out.stdout.strip().split("\n")
+  assert status == "unrolled" and loop == "False", (status, loop)
   assert bytes.fromhex(bits) == here
