@@ -394,8 +394,11 @@ def test_finish_reasons(stream_pair):
 
 
 def _log_softmax(target, ids):
-  """float64 [len(ids), V]: log p(. | ids[:i + 1]) from one full forward."""
-  logits = np.asarray(target.logits(np.asarray([ids])), np.float64)[0]
+  """float64 [len(ids), V]: log p(. | ids[:i + 1]) from one full forward (zero-padded to
+  32 tokens: causal, and one compiled forward for every length)."""
+  width = max(32, len(ids))
+  logits = np.asarray(target.logits(np.asarray([ids + [0] * (width - len(ids))])),
+                      np.float64)[0, :len(ids)]
   return logits - np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1,
                                 keepdims=True)) - logits.max(-1, keepdims=True)
 
@@ -492,7 +495,8 @@ def test_processed_logprobs_are_the_sampled_distributions(stream_pair, kw):
                          logprobs_mode="processed", top_logprobs=4, repetition_penalty=1.3,
                          **rows, **kw)
   for i, (prompt, new) in enumerate(zip(prompts, out.tokens)):
-    logits = np.asarray(target.logits(np.asarray([prompt + new])), np.float64)[0]
+    ids = prompt + new  # zero-padded: one compiled forward for every length (causal)
+    logits = np.asarray(target.logits(np.asarray([ids + [0] * (32 - len(ids))])), np.float64)[0]
     settings = [rows[k][i] for k in ("temperature", "top_k", "top_p")]
     want = np.array([_processed(logits[len(prompt) - 1 + j], prompt + new[:j], *settings,
                                 1.3) for j in range(len(new))])

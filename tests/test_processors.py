@@ -171,8 +171,8 @@ class GreedyTest(parameterized.TestCase):
     for b, prompt in enumerate(prompts):
       row_kw = {k: (v[b] if isinstance(v, list) else v) for k, v in kw.items()}
       seq = list(prompt)
-      for _ in range(10):
-        raw = np.asarray(target.logits(np.array([seq])))[0, -1]
+      for _ in range(10):  # zero-padded to one width: one compiled forward (causal)
+        raw = np.asarray(target.logits(np.array([seq + [0] * (20 - len(seq))])))[0, len(seq) - 1]
         seq.append(int(np.argmax(reference_logits(raw, seq, len(prompt), row_kw))))
       self.assertEqual(ar.tokens[b], seq[len(prompt):])
 

@@ -147,7 +147,8 @@ def worker_mesh():
       key = sharding.put(jax.random.PRNGKey(0), jax.sharding.NamedSharding(
           args.engine.mesh, jax.sharding.PartitionSpec()))
       state = decode_lib.decode(args.engine, args.prompt_width, args.cache_size, args.weights,
-                                args.tokens, args.prompt_len, args.sampling, key)
+                                args.tokens, args.prompt_len, args.sampling, key,
+                                decode_lib.NO_ROUND_LIMIT)  # as `generate` calls it
       for side, kv in (("target", state.target_kv), ("draft", state.draft_state)):
         res[f"kv/{side}"] = {"shape": list(kv.k[0].shape),
                              "shard": list(kv.k[0].addressable_shards[0].data.shape),

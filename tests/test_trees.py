@@ -400,7 +400,8 @@ class TreeAttentionTest(parameterized.TestCase):
         while node >= 0:
           path.insert(0, int(nodes[b, node]))
           node = tree.parents[node]
-        full = target.logits(jnp.asarray([list(prompt[b]) + path]))[0, -1]
+        seq = list(prompt[b]) + path  # zero-padded: one compiled forward (causal)
+        full = target.logits(jnp.asarray([seq + [0] * (tree.depth - len(path))]))[0, len(seq) - 1]
         np.testing.assert_allclose(logits[b, i + 1], full, atol=1e-4)
 
   def test_compaction_equals_a_fresh_prefill(self):
