@@ -15,7 +15,7 @@ import numpy as np
 from specjax import checks
 from specjax import decode as decode_lib
 from specjax.processors import history as processors
-from specjax.processors import stops
+from specjax.processors import stops as stops_lib
 from specjax import trees
 from specjax import drafters as drafters_lib
 from specjax.models import heads as heads_lib
@@ -31,6 +31,40 @@ HEAD_DRAFTERS = ("eagle", "medusa")
 
 
 @dataclasses.dataclass(frozen=True)
+class StopList:
+  """What can end a row at a stop, on the host, to name the one that did (the engine
+  only flags that one did): the EOS ids, then `stop_sequences` as given (strings or
+  bytes as they are, token-id lists as tuples)."""
+  eos: tuple[int, ...]
+  given: tuple
+  min_new: np.ndarray  # int[B]: a stop string completed before this does not count
+
+  def reason(self, row: int, new: list[int], token_bytes) -> int | str | bytes | list[int] | None:
+    """The stop that the last of a stopped row's new tokens completed, or None (the
+    row ended otherwise); the first in this list's order where several did."""
+    if not new:
+      return None
+    if new[-1] in self.eos:
+      return new[-1]
+    text = None
+    for stop in self.given:
+      if not isinstance(stop, (str, bytes)):
+        if tuple(new[-len(stop):]) == stop:  # a match lies wholly in the new tokens
+          return list(stop)
+        continue
+      if len(new) <= self.min_new[row] or token_bytes is None:
+        continue
+      if text is None:
+        last = token_bytes[new[-1]] if new[-1] < len(token_bytes) else b""
+        text = b"".join(token_bytes[t] if t < len(token_bytes) else b"" for t in new)
+      data = stop.encode("utf-8") if isinstance(stop, str) else stop
+      # An occurrence ending inside the last token's bytes.
+      if text.find(data, max(0, len(text) - len(last) - len(data) + 1)) >= 0:
+        return stop
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
 class Prepared:
   """Everything the engine needs for one batch, checked: `prepare`'s result."""
   engine: decode_lib.Engine  # static: compiled once per engine and shapes
@@ -40,6 +74,7 @@ class Prepared:
   tokens: np.ndarray  # int32[B, cache_size], prompts left-aligned (on a mesh: placed)
   prompt_len: np.ndarray  # int32[B]
   sampling: Sampling
+  stops: StopList | None = None  # on the host: names what ended each row (stop_reasons)
 
   def prefill(self, key) -> decode_lib.DecodeState:
     return decode_lib.prefill(self.engine, decode_lib.laid_out(self.engine, self.weights),
@@ -91,6 +126,9 @@ class GenerateResult:
   # Why each row ended: 'stop' (EOS, a stop sequence or string, a finished constraint,
   # a prefix where the processors ban every token) or 'length' (max_new_tokens).
   finish_reasons: list[str] | None = None
+  # Which stop ended each row (vLLM's stop_reason): the EOS id (an int), the stop string
+  # or token-id list as given in stop_sequences; None for any other end.
+  stop_reasons: list[int | str | bytes | list[int] | None] | None = None
   prompt_tokens: list[list[int]] | None = None  # each row's prompt ids (strings encoded)
   # logprobs=True: log p(token | all before it) under the target's raw logits (no
   # temperature, top-k/p or processors; with logprobs_mode='processed', after them).
@@ -391,11 +429,12 @@ def _eos_ids(eos_id) -> list:
 
 def _stop_table(target: Model, eos_id, stop_sequences):
   """EOS ids and token-id stop sequences as one right-aligned table [K, L] plus lengths
-  [K]; and the stop strings (as UTF-8 bytes), which match on the text."""
+  [K]; the stop strings (as UTF-8 bytes), which match on the text; and every stop
+  sequence as given (token-id lists as tuples), in order."""
   vocab = target.config.vocab_size
   eos = _eos_ids(eos_id)
   seqs = [checks.token_ids("eos_id", [e], vocab) for e in eos]
-  strings = []
+  strings, given = [], []
   if isinstance(stop_sequences, (str, bytes)):  # one stop string, not a list of characters
     stop_sequences = [stop_sequences]
   if stop_sequences is not None and not isinstance(stop_sequences, Sequence):
@@ -408,11 +447,13 @@ def _stop_table(target: Model, eos_id, stop_sequences):
       if not stop:
         raise ValueError(f"stop sequence {i} is empty")
       strings.append(stop.encode("utf-8") if isinstance(stop, str) else bytes(stop))
+      given.append(stop)
       continue
     stop = checks.token_ids(f"stop sequence {i}", stop, vocab)
     if not stop:
       raise ValueError(f"stop sequence {i} is empty")
     seqs.append(stop)
+    given.append(tuple(stop))
   # The text automaton has a state per stop-string byte, each a row over the vocabulary.
   if (sum(map(len, strings)) + 1) * vocab > 2 ** 27:
     raise ValueError(f"stop strings too long: {sum(map(len, strings))} bytes in all; their "
@@ -423,7 +464,7 @@ def _stop_table(target: Model, eos_id, stop_sequences):
   for k, stop in enumerate(seqs):
     table[k, span - len(stop):] = stop
     lens[k] = len(stop)
-  return table, lens, strings
+  return table, lens, strings, tuple(given)
 
 
 def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p, eos_id,
@@ -465,8 +506,8 @@ def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p
     raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k.tolist()}")
   # k >= vocab keeps everything; clipping first keeps huge k from wrapping in int32.
   top_k = np.minimum(top_k, target.config.vocab_size).astype(np.int32)
-  stop_seqs, stop_lens, stop_strings = _stop_table(target, eos_id, stop_sequences)
-  stop_text = (stops.tokenizer_table(target.tokenizer, stop_strings, target.config.vocab_size)
+  stop_seqs, stop_lens, stop_strings, given = _stop_table(target, eos_id, stop_sequences)
+  stop_text = (stops_lib.tokenizer_table(target.tokenizer, stop_strings, target.config.vocab_size)
                if stop_strings else None)
   pcfg, procs = processors.settings_from_args(
       batch, target.config.vocab_size, max_new_tokens, stop_seqs, stop_lens,
@@ -508,6 +549,8 @@ def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p
   # Left on the host: the compiled call moves numpy arguments itself for next to nothing,
   # where a `jax.device_put` of them here took 0.3-0.6 ms (docs/CPU_VERIFY.md, "Thirteenth pass").
   prompt_len = np.asarray([len(p) for p in prompts], np.int32)
+  stop_list = StopList(eos=tuple(int(e) for e in _eos_ids(eos_id)), given=given,
+                       min_new=np.repeat(np.asarray(procs.min_new), n))
   if n > 1:  # a prompt's n rows are adjacent: the engine prefills one and copies it
     tokens, prompt_len = np.repeat(tokens, n, axis=0), np.repeat(prompt_len, n)
     sampling = jax.device_put(map_rows(sampling, lambda x: np.repeat(np.asarray(x), n, 0)))
@@ -518,7 +561,7 @@ def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p
                                samples=n),
       weights=decode_lib.Weights(target=target.params, draft=draft_params),
       prompt_width=prompt_width, cache_size=cache_size, tokens=tokens,
-      prompt_len=prompt_len, sampling=sampling)
+      prompt_len=prompt_len, sampling=sampling, stops=stop_list)
 
 
 def _logprob_args(logprobs, top, prompt, mode, vocab: int):
@@ -571,7 +614,8 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
       A string matches the text however it was split into tokens: the row stops at the
       first token whose text completes it, and that token's text may run past the string
       (")" stops a row at ")[" ). A match completed within the first `min_new_tokens`
-      tokens does not count.
+      tokens does not count. `GenerateResult.stop_reasons` names the one that ended
+      each row (or the EOS id).
     draft: the draft model (same vocabulary as the target), or a draft head trained on
       this target (`load_pretrained('stdlib-eagle')`, 'stdlib-medusa'; `specjax.models.heads`),
       which drafts from the target's own hidden states.
@@ -673,7 +717,7 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
   if mesh is not None:
     from specjax.models import sharding
     args = sharding.distribute(args, mesh)  # its run() returns the caller's rows, on the host
-  return _result(target, args.engine, args.run(seed_key(seed)))
+  return _result(target, args.engine, args.run(seed_key(seed)), args.stops)
 
 
 def _spans(x, start, end):
@@ -695,15 +739,31 @@ def _reasons(done, stopped):
   return [("stop" if s else "length") if d else None for d, s in zip(done, stopped)]
 
 
-def _result(target: Model, engine: decode_lib.Engine, state) -> GenerateResult:
+def _stop_reasons(target: Model, stops: StopList | None, new, at_stop, rows=None):
+  """`StopList.reason` of each row in `new` that ended at a stop, else None (rows: their
+  indices in the batch, where `new` is not all of it)."""
+  if stops is None:
+    return None
+  token_bytes = None
+  if target.tokenizer is not None and any(isinstance(g, (str, bytes)) for g in stops.given):
+    token_bytes = stops_lib.token_bytes(target.tokenizer)
+  rows = range(len(new)) if rows is None else rows
+  return [stops.reason(i, row, token_bytes) if s else None
+          for i, row, s in zip(rows, new, at_stop)]
+
+
+def _result(target: Model, engine: decode_lib.Engine, state,
+            stops: StopList | None = None) -> GenerateResult:
   tokens, n, prompt_len, stats, lp, stopped = fetch(state, engine.gamma)
   new = _spans(tokens, prompt_len, n)
   texts = None
   if target.tokenizer is not None:
     texts = [target.tokenizer.decode(t) for t in new]
   stats = dict(stats, lossless=engine.rule.lossless, gamma_policy=engine.policy.kind)
+  done = [True] * len(new)
   out = GenerateResult(tokens=new, stats=stats, texts=texts,
-                       finish_reasons=_reasons([True] * len(new), stopped),
+                       finish_reasons=_reasons(done, stopped),
+                       stop_reasons=_stop_reasons(target, stops, new, stopped),
                        prompt_tokens=_spans(tokens, np.zeros_like(prompt_len), prompt_len))
   if lp is None:
     return out
@@ -727,6 +787,7 @@ class Chunk:
   texts: list[str] | None
   done: list[bool]  # the row has finished: nothing more will come
   finish_reasons: list[str | None] | None = None  # as GenerateResult's; None: running
+  stop_reasons: list | None = None  # as GenerateResult's (None while running)
   logprobs: list[list[float]] | None = None  # as GenerateResult.logprobs, for these tokens
   top_logprobs: list[list[list[tuple[int, float]]]] | None = None  # and top_logprobs
 
@@ -757,6 +818,7 @@ class Stream:
       detok = [_TextStream(target.tokenizer) for _ in range(batch)]
     state = prepared.start(key)
     limit = 0
+    reasons, named = [None] * batch, np.zeros(batch, bool)
     while True:
       limit += rounds
       state = prepared.resume(state, limit)
@@ -769,11 +831,19 @@ class Stream:
       finished = bool(np.all(done)) or limit >= decode_lib.NO_ROUND_LIMIT - rounds
       texts = None if detok is None else [
           t.add(c, bool(d)) for t, c, d in zip(detok, chunk, done)]
+      ended = np.flatnonzero(done & stopped & ~named)  # each row's once, as it ends
+      if ended.size and prepared.stops is not None:
+        new = _spans(tokens[ended], np.asarray(prompt_len)[ended], n[ended])
+        for i, reason in zip(ended, _stop_reasons(target, prepared.stops, new,
+                                                  [True] * len(new), ended)):
+          reasons[i] = reason
+      named |= done & stopped
       yield Chunk(tokens=chunk, texts=texts, done=[bool(d) for d in done],
-                  finish_reasons=_reasons(done, stopped), logprobs=logprobs, top_logprobs=top)
+                  finish_reasons=_reasons(done, stopped), stop_reasons=list(reasons),
+                  logprobs=logprobs, top_logprobs=top)
       if finished:
         break
-    self._result = _result(target, engine, prepared.finish(state))
+    self._result = _result(target, engine, prepared.finish(state), prepared.stops)
 
 
 class _TextStream:

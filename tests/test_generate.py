@@ -361,7 +361,7 @@ def test_finish_reasons(stream_pair):
   target, draft = stream_pair
   prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [2, 2]]
   free = specjax.generate(target, prompts, max_new_tokens=8, draft=draft, gamma=3)
-  assert free.finish_reasons == ["length"] * 4
+  assert free.finish_reasons == ["length"] * 4 and free.stop_reasons == [None] * 4
   eos, at = free.tokens[0][5], free.tokens[0].index(free.tokens[0][5])  # row 0's budget
   out = specjax.generate(target, prompts, max_new_tokens=at + 1, eos_id=eos, draft=draft,
                          gamma=3)
@@ -369,12 +369,18 @@ def test_finish_reasons(stream_pair):
   for tokens, reason in zip(out.tokens, out.finish_reasons):
     assert reason == ("stop" if tokens[-1] == eos else "length"), (tokens, reason)
     assert reason == "stop" or len(tokens) == at + 1
+  assert out.stop_reasons == [eos if r == "stop" else None for r in out.finish_reasons]
+  seq = free.tokens[1][2:4]
   stop = specjax.generate(target, prompts, max_new_tokens=8, draft=draft, gamma=3,
-                          stop_sequences=[free.tokens[1][2:4]])
+                          stop_sequences=[[11, 10, 11, 10, 11], seq])
   assert stop.finish_reasons[1] == "stop" and len(stop.tokens[1]) <= 4
+  # stop_reasons: the stop as given where one ended the row, found in its last tokens.
+  for tokens, reason, why in zip(stop.tokens, stop.stop_reasons, stop.finish_reasons):
+    assert reason == (seq if why == "stop" else None) and (why == "length" or tokens[-2:] == seq)
   banned = specjax.generate(target, [[1, 2, 3]], max_new_tokens=20, drafter="ngram",
                             no_repeat_ngram_size=1, temperature=1.0)
   assert len(banned.tokens[0]) == 9 and banned.finish_reasons == ["stop"]  # 12 tokens seen
+  assert banned.stop_reasons == [None]  # not at a stop: every token was banned
   # A constraint whose text is complete, with nothing to follow: stop, on the budget too.
   from specjax.processors import constraints
   nxt = np.full((3, 12), constraints.DEAD)
@@ -384,13 +390,17 @@ def test_finish_reasons(stream_pair):
     done = specjax.generate(target, prompts, max_new_tokens=budget, constraint=auto,
                             temperature=1.0, draft=draft, gamma=3)
     assert [len(t) for t in done.tokens] == [2] * 4 and done.finish_reasons == ["stop"] * 4
+    assert done.stop_reasons == [None] * 4
   s = specjax.stream(target, prompts, max_new_tokens=at + 1, eos_id=eos, draft=draft,
                      gamma=3, rounds_per_chunk=1)
   chunks = list(s)
   assert s.result.finish_reasons == out.finish_reasons
   for c in chunks:
     assert [r is not None for r in c.finish_reasons] == c.done
+    assert all(r is None or d for r, d in zip(c.stop_reasons, c.done))
   assert chunks[-1].finish_reasons == out.finish_reasons
+  assert chunks[-1].stop_reasons == s.result.stop_reasons == out.stop_reasons
+  assert eos in out.stop_reasons
 
 
 def _log_softmax(target, ids):

@@ -132,7 +132,8 @@ def worker_mesh():
       res["t1/stream_result_logprobs"] = stream.result.logprobs
       res["t1/stream_prompt"] = [stream.result.prompt_logprobs,
                                  stream.result.prompt_top_logprobs]
-      res["t1/reasons"] = [stream.result.finish_reasons, one.finish_reasons]
+      res["t1/reasons"] = [stream.result.finish_reasons, one.finish_reasons,
+                           stream.result.stop_reasons, one.stop_reasons]
       res["t1/stream_chunks"] = len(chunks)
       # n=2 samples a prompt: on the mesh every row is prefilled, on one device each
       # prompt once; the same tokens (6 rows, padded to 8 on dp = 2).
@@ -437,7 +438,8 @@ class MeshTest(parameterized.TestCase):
       np.testing.assert_allclose(got[1:], want[1:], atol=1e-4)
     self.assertGreater(r["t1/stream_chunks"], 1)
     self.assertEqual(r["n2/mesh"], r["n2/one"])
-    self.assertEqual(r["t1/reasons"], [["length"] * len(PROMPTS)] * 2)  # no padding row
+    self.assertEqual(r["t1/reasons"], [["length"] * len(PROMPTS)] * 2  # no padding row
+                     + [[None] * len(PROMPTS)] * 2)
     self.assertEqual(len(r["n2/one"]), 2 * len(PROMPTS))
     self.assertNotEqual(r["n2/one"][0], r["n2/one"][1])
 

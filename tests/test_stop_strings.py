@@ -112,8 +112,9 @@ class EngineTest(parameterized.TestCase):
     kw = dict(max_new_tokens=14, temperature=1.0, seed=2, min_new_tokens=min_new, **spec)
     plain = specjax.generate(self.target, prompts, **kw).tokens
     strings = pick(plain) if pick else mid_strings(plain)
-    res = specjax.generate(self.target, prompts, stop_sequences=strings, **kw).tokens
-    return plain, strings, res
+    res = specjax.generate(self.target, prompts, stop_sequences=strings, **kw)
+    self.last = res
+    return plain, strings, res.tokens
 
   @parameterized.named_parameters(
       ("autoregressive", {}),
@@ -132,6 +133,12 @@ class EngineTest(parameterized.TestCase):
     # Some row ends on a token that is not itself a stop string: a token-id match on the
     # strings' own encodings would have run on.
     self.assertTrue(any(PIECES[c[-1]] not in strings for c in early), (strings, early))
+    # stop_reasons name the string (as given) the row's text holds: with no
+    # min_new_tokens, one ending at its last token (else it would have stopped before).
+    text = lambda row: b"".join(PIECES[t] for t in row)
+    named = [next((s for s in strings if s in text(c)), None) for c in cuts]
+    self.assertEqual(self.last.stop_reasons, named)
+    self.assertEqual([r is not None for r in named], [f == "stop" for f in self.last.finish_reasons])
 
   def test_a_match_across_the_prompt_boundary_does_not_stop_the_row(self):
     prompt = [1, 2, 5]  # its text ends in ")"
@@ -140,10 +147,22 @@ class EngineTest(parameterized.TestCase):
     self.assertEqual(res, [cut(plain[0], strings)])
 
   def test_min_new_tokens_defers_a_match(self):
-    pick = lambda plain: [b"a", b")", b"b"]  # early in nearly every row
+    pick = lambda plain: [b"x", b"a", b")", b"b"]  # early in nearly every row
     plain, strings, res = self.run_pair(dict(draft=self.draft, gamma=4), min_new=3, pick=pick)
     self.assertEqual(res, [cut(row, strings, min_new=3) for row in plain])
     self.assertTrue(any(first_stop(row, strings) < 3 for row in plain))
+    # The named string is the first (as given) whose text ends inside the last token,
+    # not one that matched, uncounted, within the first three.
+    def ending_last(row):
+      text, before = b"".join(PIECES[t] for t in row), b"".join(PIECES[t] for t in row[:-1])
+      return next((s for s in strings if any(text[:k].endswith(s) for k in
+                                             range(len(before) + 1, len(text) + 1))), None)
+    named = [ending_last(c) if f == "stop" else None
+             for c, f in zip(res, self.last.finish_reasons)]
+    self.assertEqual(self.last.stop_reasons, named)
+    self.assertTrue(any(r is not None and r != next(s for s in strings if s in
+                                                    b"".join(PIECES[t] for t in c))
+                        for r, c in zip(named, res)), named)  # an earlier match was skipped
 
   @parameterized.named_parameters(
       ("empty", [""], "stop sequence 0 is empty"),

@@ -247,7 +247,7 @@ def distribute(prepared, mesh, shard_draft: bool = False):
       prompt_width=prepared.prompt_width, cache_size=prepared.cache_size,
       tokens=put(_pad(prepared.tokens, extra), rows),
       prompt_len=put(_pad(prepared.prompt_len, extra), rows),
-      sampling=_sampling(prepared.sampling, extra, mesh), rows=batch)
+      sampling=_sampling(prepared.sampling, extra, mesh), stops=prepared.stops, rows=batch)
 
 
 def collect(state, rows: int):
