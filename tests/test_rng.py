@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 
-import jax
 import numpy as np
 
 from specjax import rng
@@ -21,20 +20,19 @@ a, b = jax.random.split(key)
 draws = [jax.random.split(key, 5), jax.random.fold_in(a, 3), jax.random.bits(b, (9,)),
          jax.random.uniform(a, (3, 2048)), jax.random.gumbel(b, (2, 70)),
          jax.jit(lambda k: jax.random.uniform(jax.random.fold_in(k, 1), (33,)))(a)]
+loop = " while(" in jax.jit(lambda k: jax.random.uniform(k, (2048,))).lower(
+    key).compile().as_text()  # jax's rolled lowering has a loop; the unrolled none
 """
-_HLO = lambda: jax.jit(lambda k: jax.random.uniform(k, (2048,))).lower(
-    jax.random.PRNGKey(0)).compile().as_text()
 
 
 def test_unrolled_by_default_without_a_loop_and_the_same_bits_as_jax_rolled_loop():
   assert rng.status() == "turned off by SPECJAX_UNROLLED_THREEFRY=0", rng.status()
-  assert " while(" in _HLO()  # jax's rolled loop, in this process
   scope = {}
   exec(_DRAWS, scope)
+  assert scope["loop"]  # jax's rolled lowering, in this process
   here = b"".join(np.asarray(x).tobytes() for x in scope["draws"])
   code = ("import sys, specjax\nfrom specjax import rng\n" + _DRAWS +
-          "hlo = jax.jit(lambda k: jax.random.uniform(k, (2048,))).lower(key).compile().as_text()\n"
-          "print(rng.status())\nprint(' while(' in hlo)\n"
+          "print(rng.status())\nprint(loop)\n"
           "sys.stdout.write(b''.join(np.asarray(x).tobytes() for x in draws).hex())")
   env = {k: v for k, v in os.environ.items() if k != "SPECJAX_UNROLLED_THREEFRY"}  # default
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
