@@ -391,7 +391,12 @@ def compact(kv: kv_cache.KVState, src, dst_start, count) -> kv_cache.KVState:
 # Verification.
 
 
-def walk(key, node_tokens, node_q, ps, tree: Tree, deterministic: bool):
+# The walk's loops unrolled (True), rolled (False), or by backend (None): unrolled but on a
+# CPU. Read when a program is traced (`experiments.compile_time` compares the two).
+UNROLL_WALK: bool | None = None
+
+
+def walk(key, node_tokens, node_q, ps, tree: Tree, deterministic: bool, unroll=None):
   """One row: (n_accepted, next_token, overlap[depth], path int32[depth] (-1 past a),
   by_rank).
 
@@ -405,54 +410,64 @@ def walk(key, node_tokens, node_q, ps, tree: Tree, deterministic: bool):
   node_q [N, V]: its parent's draft distribution q; sampled siblings were drawn from it
   without replacement in sibling order (`sample_distinct`); the walk takes each tried
   sibling out of q before judging the next.
+  unroll: the loops unrolled (None: `UNROLL_WALK`); the same numbers either way.
   """
+  # On a CPU, rolled loops: unrolled, the program grew with depth x width (the shipped
+  # pair's (4, 2, 2, 1) program took 1.5x as long to trace and compile) and ran no
+  # faster. Unrolled elsewhere, as it was: a loop's iterations there are not measured.
+  unroll = UNROLL_WALK if unroll is None else unroll
+  unroll = jax.default_backend() != "cpu" if unroll is None else bool(unroll)
   children = jnp.asarray(tree.children)
-  depth = tree.depth
-  keys = jax.random.split(key, depth * children.shape[1] + 1)
-  cur = jnp.int32(0)  # row of `ps` / `children`: 0 = root, i+1 = node i
-  alive = jnp.bool_(True)
-  dist = ps[0]
-  path = jnp.full((depth,), -1, jnp.int32)
-  overlap = jnp.zeros((depth,), jnp.float32)
-  n_accepted = jnp.int32(0)
-  width = children.shape[1]
-  tried = jnp.zeros((width,), jnp.int32)
-  taken = jnp.zeros((width,), jnp.int32)
-  chance = jnp.zeros((width,), jnp.float32)
-  for j in range(depth):
-    found = jnp.int32(-1)
+  depth, width = tree.depth, tree.children.shape[1]
+  keys = jax.random.split(key, depth * width + 1)
+
+  def sibling(j, r, c):
+    cur, alive, dist, left, found, tried, taken, chance = c
+    child = children[cur, r]
+    trying = alive & (child >= 0) & (found < 0)
+    x = node_tokens[jnp.maximum(child, 0)]
+    u = jax.random.uniform(keys[j * width + r])
+    dropped = dist.at[x].set(0.0)
+    point_rejected = dropped / jnp.maximum(jnp.sum(dropped), 1e-30)
+    if deterministic:
+      accept, rejected, odds = u < dist[x], point_rejected, dist[x]
+    else:
+      mass = jnp.sum(left)
+      drawn = mass > 0  # else q's support is used up: x is a fixed token
+      q = left / jnp.where(drawn, mass, 1.0)  # x was drawn from q (without replacement)
+      accept = jnp.where(drawn, u * q[x] < dist[x], u < dist[x])
+      rejected = jnp.where(drawn, residual(dist, q), point_rejected)
+      odds = jnp.where(drawn, jnp.sum(jnp.minimum(dist, q)), dist[x])
+      left = jnp.where(trying, left.at[x].set(0.0), left)
+    tried = tried.at[r].add(trying.astype(jnp.int32))
+    taken = taken.at[r].add((trying & accept).astype(jnp.int32))
+    chance = chance.at[r].add(jnp.where(trying, odds, 0.0))
+    found = jnp.where(trying & accept, child, found)
+    dist = jnp.where(trying & ~accept, rejected, dist)
+    return cur, alive, dist, left, found, tried, taken, chance
+
+  def level(j, c):
+    cur, alive, dist, path, overlap, n_accepted, tried, taken, chance = c
     first = children[cur, 0]
     left = node_q[jnp.maximum(first, 0)]  # the siblings' q, minus the siblings tried
-    overlap = overlap.at[j].set(jnp.where(alive & (first >= 0), jnp.sum(jnp.minimum(dist, left)),
-                                          0.0))
-    for r in range(children.shape[1]):
-      c = children[cur, r]
-      trying = alive & (c >= 0) & (found < 0)
-      x = node_tokens[jnp.maximum(c, 0)]
-      u = jax.random.uniform(keys[j * children.shape[1] + r])
-      dropped = dist.at[x].set(0.0)
-      point_rejected = dropped / jnp.maximum(jnp.sum(dropped), 1e-30)
-      if deterministic:
-        accept, rejected, odds = u < dist[x], point_rejected, dist[x]
-      else:
-        mass = jnp.sum(left)
-        drawn = mass > 0  # else q's support is used up: x is a fixed token
-        q = left / jnp.where(drawn, mass, 1.0)  # x was drawn from q (without replacement)
-        accept = jnp.where(drawn, u * q[x] < dist[x], u < dist[x])
-        rejected = jnp.where(drawn, residual(dist, q), point_rejected)
-        odds = jnp.where(drawn, jnp.sum(jnp.minimum(dist, q)), dist[x])
-        left = jnp.where(trying, left.at[x].set(0.0), left)
-      tried = tried.at[r].add(trying.astype(jnp.int32))
-      taken = taken.at[r].add((trying & accept).astype(jnp.int32))
-      chance = chance.at[r].add(jnp.where(trying, odds, 0.0))
-      found = jnp.where(trying & accept, c, found)
-      dist = jnp.where(trying & ~accept, rejected, dist)
+    overlap = overlap.at[j].set(jnp.where(alive & (first >= 0),
+                                          jnp.sum(jnp.minimum(dist, left)), 0.0))
+    _, _, dist, _, found, tried, taken, chance = jax.lax.fori_loop(
+        0, width, functools.partial(sibling, j),
+        (cur, alive, dist, left, jnp.int32(-1), tried, taken, chance), unroll=unroll)
     moved = alive & (found >= 0)
     path = path.at[j].set(jnp.where(moved, found, -1))
     n_accepted = n_accepted + moved.astype(jnp.int32)
     cur = jnp.where(moved, found + 1, cur)
     dist = jnp.where(moved, ps[jnp.where(moved, found + 1, 0)], dist)
     alive = moved & (children[cur, 0] >= 0)  # a leaf ends the walk with a bonus
+    return cur, alive, dist, path, overlap, n_accepted, tried, taken, chance
+
+  init = (jnp.int32(0), jnp.bool_(True), ps[0], jnp.full((depth,), -1, jnp.int32),
+          jnp.zeros((depth,), jnp.float32), jnp.int32(0), jnp.zeros((width,), jnp.int32),
+          jnp.zeros((width,), jnp.int32), jnp.zeros((width,), jnp.float32))
+  _, _, dist, path, overlap, n_accepted, tried, taken, chance = jax.lax.fori_loop(
+      0, depth, level, init, unroll=unroll)
   next_token = sample(keys[-1], dist)
   return n_accepted, next_token, overlap, path, (tried, taken, chance)
 

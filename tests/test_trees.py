@@ -1,6 +1,8 @@
 """Token trees: exact node rules, the law of whole continuations, greedy equality, tree
 attention and KV compaction."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -140,6 +142,29 @@ class NodeRuleTest(parameterized.TestCase):
       freq = np.bincount(first, minlength=vocab) / rows
       bound = 5 * np.sqrt(p * (1 - p) / rows) + 1e-3
       self.assertTrue(np.all(np.abs(freq - p) <= bound), (name, freq, p))
+
+
+  @parameterized.parameters(True, False)
+  def test_rolled_and_unrolled_walks_agree(self, deterministic):
+    """The walk's loops are rolled on a CPU and unrolled elsewhere (trees.walk): the same
+    tokens, paths and counts, on a tree whose walks end at every depth."""
+    tree = trees.Tree.from_branching((3, 2, 1))
+    rows, vocab, n = 64, 6, tree.num_nodes
+    rng = np.random.default_rng(3)
+    ps = jnp.asarray(rng.dirichlet(np.ones(vocab) * 0.3, (rows, n + 1)), jnp.float32)
+    qs = jnp.asarray(rng.dirichlet(np.ones(vocab) * 0.3, (rows, n)), jnp.float32)
+    kids = jnp.asarray(rng.integers(0, vocab, (rows, n)), jnp.int32)
+    keys = jax.random.split(jax.random.PRNGKey(5), rows)
+    fns = [jax.vmap(functools.partial(trees.walk, tree=tree, deterministic=deterministic,
+                                      unroll=u)) for u in (False, True)]
+    lowered = [jax.jit(f).lower(keys, kids, qs, ps) for f in fns]
+    loops = [low.as_text().count("stablehlo.while") for low in lowered]
+    self.assertEqual(loops[0] - loops[1], 2)  # the depth and sibling loops (rng may add)
+    outs = [low.compile()(keys, kids, qs, ps) for low in lowered]
+    rolled, unrolled = (jax.tree_util.tree_leaves(o) for o in outs)
+    for a, b in zip(rolled, unrolled):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    self.assertEqual(len(set(np.asarray(rolled[0]).tolist())), tree.depth + 1)  # 0..3 accepted
 
 
 class LawTest(parameterized.TestCase):
