@@ -421,40 +421,40 @@ def walk(key, node_tokens, node_q, ps, tree: Tree, deterministic: bool, unroll=N
   depth, width = tree.depth, tree.children.shape[1]
   keys = jax.random.split(key, depth * width + 1)
 
-  def sibling(j, r, c):
-    cur, alive, dist, left, found, tried, taken, chance = c
-    child = children[cur, r]
-    trying = alive & (child >= 0) & (found < 0)
-    x = node_tokens[jnp.maximum(child, 0)]
-    u = jax.random.uniform(keys[j * width + r])
-    dropped = dist.at[x].set(0.0)
-    point_rejected = dropped / jnp.maximum(jnp.sum(dropped), 1e-30)
-    if deterministic:
-      accept, rejected, odds = u < dist[x], point_rejected, dist[x]
-    else:
-      mass = jnp.sum(left)
-      drawn = mass > 0  # else q's support is used up: x is a fixed token
-      q = left / jnp.where(drawn, mass, 1.0)  # x was drawn from q (without replacement)
-      accept = jnp.where(drawn, u * q[x] < dist[x], u < dist[x])
-      rejected = jnp.where(drawn, residual(dist, q), point_rejected)
-      odds = jnp.where(drawn, jnp.sum(jnp.minimum(dist, q)), dist[x])
-      left = jnp.where(trying, left.at[x].set(0.0), left)
-    tried = tried.at[r].add(trying.astype(jnp.int32))
-    taken = taken.at[r].add((trying & accept).astype(jnp.int32))
-    chance = chance.at[r].add(jnp.where(trying, odds, 0.0))
-    found = jnp.where(trying & accept, child, found)
-    dist = jnp.where(trying & ~accept, rejected, dist)
-    return cur, alive, dist, left, found, tried, taken, chance
-
   def level(j, c):
     cur, alive, dist, path, overlap, n_accepted, tried, taken, chance = c
     first = children[cur, 0]
     left = node_q[jnp.maximum(first, 0)]  # the siblings' q, minus the siblings tried
     overlap = overlap.at[j].set(jnp.where(alive & (first >= 0),
                                           jnp.sum(jnp.minimum(dist, left)), 0.0))
-    _, _, dist, _, found, tried, taken, chance = jax.lax.fori_loop(
-        0, width, functools.partial(sibling, j),
-        (cur, alive, dist, left, jnp.int32(-1), tried, taken, chance), unroll=unroll)
+
+    def sibling(r, c):
+      dist, left, found, tried, taken, chance = c
+      child = children[cur, r]
+      trying = alive & (child >= 0) & (found < 0)
+      x = node_tokens[jnp.maximum(child, 0)]
+      u = jax.random.uniform(keys[j * width + r])
+      dropped = dist.at[x].set(0.0)
+      point_rejected = dropped / jnp.maximum(jnp.sum(dropped), 1e-30)
+      if deterministic:
+        accept, rejected, odds = u < dist[x], point_rejected, dist[x]
+      else:
+        mass = jnp.sum(left)
+        drawn = mass > 0  # else q's support is used up: x is a fixed token
+        q = left / jnp.where(drawn, mass, 1.0)  # x was drawn from q (without replacement)
+        accept = jnp.where(drawn, u * q[x] < dist[x], u < dist[x])
+        rejected = jnp.where(drawn, residual(dist, q), point_rejected)
+        odds = jnp.where(drawn, jnp.sum(jnp.minimum(dist, q)), dist[x])
+        left = jnp.where(trying, left.at[x].set(0.0), left)
+      tried = tried.at[r].add(trying.astype(jnp.int32))
+      taken = taken.at[r].add((trying & accept).astype(jnp.int32))
+      chance = chance.at[r].add(jnp.where(trying, odds, 0.0))
+      found = jnp.where(trying & accept, child, found)
+      dist = jnp.where(trying & ~accept, rejected, dist)
+      return dist, left, found, tried, taken, chance
+
+    dist, _, found, tried, taken, chance = jax.lax.fori_loop(
+        0, width, sibling, (dist, left, jnp.int32(-1), tried, taken, chance), unroll=unroll)
     moved = alive & (found >= 0)
     path = path.at[j].set(jnp.where(moved, found, -1))
     n_accepted = n_accepted + moved.astype(jnp.int32)
