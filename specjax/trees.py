@@ -463,6 +463,7 @@ def walk(key, node_tokens, node_q, ps, tree: Tree, deterministic: bool, unroll=N
     alive = moved & (children[cur, 0] >= 0)  # a leaf ends the walk with a bonus
     return cur, alive, dist, path, overlap, n_accepted, tried, taken, chance
 
+  # cur: the row of `ps` / `children` the walk is at (0 = root, i + 1 = node i).
   init = (jnp.int32(0), jnp.bool_(True), ps[0], jnp.full((depth,), -1, jnp.int32),
           jnp.zeros((depth,), jnp.float32), jnp.int32(0), jnp.zeros((width,), jnp.int32),
           jnp.zeros((width,), jnp.int32), jnp.zeros((width,), jnp.float32))

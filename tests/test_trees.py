@@ -143,7 +143,6 @@ class NodeRuleTest(parameterized.TestCase):
       bound = 5 * np.sqrt(p * (1 - p) / rows) + 1e-3
       self.assertTrue(np.all(np.abs(freq - p) <= bound), (name, freq, p))
 
-
   @parameterized.parameters(True, False)
   def test_rolled_and_unrolled_walks_agree(self, deterministic):
     """The walk's loops are rolled on a CPU and unrolled elsewhere (trees.walk): the same
