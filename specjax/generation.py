@@ -21,7 +21,7 @@ from specjax import drafters as drafters_lib
 from specjax.models import heads as heads_lib
 from specjax import policies
 from specjax.models.model import Model
-from specjax.processors.sampling import Sampling, map_rows
+from specjax.processors.sampling import Sampling
 from specjax.verify import rules as rules_lib
 
 DRAFTERS = ("model", "ngram", "eagle", "medusa")
@@ -536,7 +536,7 @@ def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p
     tokens[i, :len(p)] = p
   sampling = Sampling.create(batch, temperature=temperature, top_k=top_k, top_p=top_p,
                              max_new=max_new_tokens, stop_seqs=stop_seqs, stop_lens=stop_lens,
-                             procs=procs, pcfg=pcfg)
+                             procs=procs, pcfg=pcfg, repeat=n)
   if isinstance(draft, heads_lib.Head):
     draft_params = draft.draft_params(target, check=False)  # checked in make_drafter
   else:
@@ -553,7 +553,6 @@ def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p
                        min_new=np.repeat(np.asarray(procs.min_new), n))
   if n > 1:  # a prompt's n rows are adjacent: the engine prefills one and copies it
     tokens, prompt_len = np.repeat(tokens, n, axis=0), np.repeat(prompt_len, n)
-    sampling = jax.device_put(map_rows(sampling, lambda x: np.repeat(np.asarray(x), n, 0)))
   return Prepared(
       engine=decode_lib.Engine(target=target.config, drafter=drafter_obj, rule=rule,
                                policy=policy, logprobs=logprobs, top_logprobs=top_logprobs,

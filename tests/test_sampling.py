@@ -109,6 +109,11 @@ def test_create_shares_device_arrays_only_for_equal_settings():
   # A batch of 3 with the same values is another shape, not the cached batch of 2.
   assert Sampling.create(3, temperature=0.5).temperature.shape == (3,)
   assert Sampling.create(2, temperature=0.5).temperature.shape == (2,)
+  # repeat=n (n samples a prompt): each row n times, adjacent, and cached the same way.
+  r = Sampling.create(2, temperature=[0.5, 1.0], top_k=3, max_new=8, repeat=3)
+  np.testing.assert_allclose(r.temperature, [0.5] * 3 + [1.0] * 3)
+  assert r.top_k.shape == r.max_new.shape == (6,) and isinstance(r.top_k, jax.Array)
+  assert Sampling.create(2, temperature=[0.5, 1.0], top_k=3, max_new=8, repeat=3) is r
 
 
 class DeepCutTest(chex.TestCase):

@@ -44,8 +44,9 @@ class Sampling:
   @classmethod
   def create(cls, batch: int, temperature=1.0, top_k=0, top_p=1.0, max_new=0,
              stop_seqs=None, stop_lens=None, procs=None,
-             pcfg: processors.ProcessorConfig | None = None) -> "Sampling":
-    """Scalars or [batch] values; no stop table means none (one length-0 row)."""
+             pcfg: processors.ProcessorConfig | None = None, repeat: int = 1) -> "Sampling":
+    """Scalars or [batch] values; no stop table means none (one length-0 row). repeat=n:
+    each row n times over, adjacent (the rows of `n` samples a prompt)."""
     # Built in numpy and moved in one transfer: an eager jnp op per field cost ~3 ms a call.
     row = lambda x, dtype: np.broadcast_to(np.asarray(x, dtype), (batch,))
     if stop_seqs is None:
@@ -56,6 +57,8 @@ class Sampling:
         top_p=row(top_p, np.float32), max_new=row(max_new, np.int32),
         stop_seqs=np.asarray(stop_seqs, np.int32), stop_lens=np.asarray(stop_lens, np.int32),
         procs=procs if pcfg.active else None, pcfg=pcfg)
+    if repeat > 1:
+      host = map_rows(host, lambda x: np.repeat(np.asarray(x), repeat, 0))
     # Calls with the same settings share their device arrays (immutable): the transfer
     # cost ~0.5 ms of every `generate` call, a call's whole host work being ~2 ms.
     leaves, treedef = jax.tree_util.tree_flatten(host)
