@@ -768,12 +768,18 @@ def _result(target: Model, engine: decode_lib.Engine, state,
     return out
   out.logprobs = _spans(lp.chosen, prompt_len, n)
   out.top_logprobs = _top_spans(lp, prompt_len, n)
-  if engine.prompt_logprobs:  # slot 0 has nothing before it
-    ones = np.ones_like(prompt_len)
-    out.prompt_logprobs = [[None] + x for x in _spans(lp.chosen, ones, prompt_len)]
-    if lp.top_ids is not None:
-      out.prompt_top_logprobs = [[None] + x for x in _top_spans(lp, ones, prompt_len)]
+  if engine.prompt_logprobs:
+    out.prompt_logprobs, out.prompt_top_logprobs = _prompt_logprobs(lp, prompt_len)
   return out
+
+
+def _prompt_logprobs(lp, prompt_len):
+  """`GenerateResult`'s prompt_logprobs and prompt_top_logprobs (None without a top n),
+  read off the prefill's slots; slot 0 has nothing before it."""
+  ones = np.ones_like(prompt_len)
+  top = _top_spans(lp, ones, prompt_len)
+  return ([[None] + x for x in _spans(lp.chosen, ones, prompt_len)],
+          None if top is None else [[None] + x for x in top])
 
 
 @dataclasses.dataclass
@@ -789,6 +795,10 @@ class Chunk:
   stop_reasons: list | None = None  # as GenerateResult's (None while running)
   logprobs: list[list[float]] | None = None  # as GenerateResult.logprobs, for these tokens
   top_logprobs: list[list[list[tuple[int, float]]]] | None = None  # and top_logprobs
+  # With prompt_logprobs, the first chunk carries GenerateResult's two prompt fields (as
+  # vLLM's first output does); later chunks have None.
+  prompt_logprobs: list[list[float | None]] | None = None
+  prompt_top_logprobs: list[list[list[tuple[int, float]] | None]] | None = None
 
 
 class Stream:
@@ -837,9 +847,13 @@ class Stream:
                                                   [True] * len(new), ended)):
           reasons[i] = reason
       named |= done & stopped
+      first = limit == rounds
+      prompt_lp, prompt_top = (_prompt_logprobs(lp, np.asarray(prompt_len))
+                               if first and engine.prompt_logprobs else (None, None))
       yield Chunk(tokens=chunk, texts=texts, done=[bool(d) for d in done],
                   finish_reasons=_reasons(done, stopped), stop_reasons=list(reasons),
-                  logprobs=logprobs, top_logprobs=top)
+                  logprobs=logprobs, top_logprobs=top, prompt_logprobs=prompt_lp,
+                  prompt_top_logprobs=prompt_top)
       if finished:
         break
     self._result = _result(target, engine, prepared.finish(state), prepared.stops)

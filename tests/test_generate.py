@@ -616,13 +616,20 @@ def test_stream_hands_out_the_logprobs_and_logprobs_is_checked(stream_pair):
     assert sum((c.logprobs[i] for c in chunks), []) == s.result.logprobs[i]
     assert all(len(c.logprobs[i]) == len(c.tokens[i]) for c in chunks)
     assert all(c.top_logprobs is None for c in chunks)
-  s = specjax.stream(target, [[1, 2], [3]], rounds_per_chunk=2, top_logprobs=2, n=2, **kw)
+  assert all(c.prompt_logprobs is c.prompt_top_logprobs is None for c in chunks)
+  s = specjax.stream(target, [[1, 2], [3]], rounds_per_chunk=2, top_logprobs=2, n=2,
+                     prompt_logprobs=True, **kw)
   chunks = list(s)
   assert len(s.result.tokens) == 4 and all(len(c.tokens) == 4 for c in chunks)  # n=2 rows
   for i in range(4):
     assert sum((c.tokens[i] for c in chunks), []) == s.result.tokens[i]
     assert sum((c.top_logprobs[i] for c in chunks), []) == s.result.top_logprobs[i]
     assert all(len(c.top_logprobs[i]) == len(c.tokens[i]) for c in chunks)
+  # The prompt's, as vLLM hands them out: whole, in the first chunk only.
+  assert len(chunks) > 1 and chunks[0].prompt_logprobs[0][1] is not None
+  assert chunks[0].prompt_logprobs == s.result.prompt_logprobs
+  assert chunks[0].prompt_top_logprobs == s.result.prompt_top_logprobs
+  assert all(c.prompt_logprobs is c.prompt_top_logprobs is None for c in chunks[1:])
   for bad, match in [
       (dict(logprobs="yes"), "logprobs must be True or False, got 'yes'"),
       (dict(logprobs=True, prompt_logprobs=1), "prompt_logprobs must be True or False"),

@@ -126,6 +126,8 @@ def worker_mesh():
                                    for i in range(len(PROMPTS))]
       res["t1/stream_top"] = [sum((c.top_logprobs[i] for c in chunks), [])
                               for i in range(len(PROMPTS))]
+      res["t1/stream_first_prompt"] = [chunks[0].prompt_logprobs,
+                                       chunks[0].prompt_top_logprobs]
       chunks = [c.tokens for c in chunks]
       res["t1/stream"] = [sum((c[i] for c in chunks), []) for i in range(len(PROMPTS))]
       res["t1/stream_result"] = stream.result.tokens
@@ -423,6 +425,7 @@ class MeshTest(parameterized.TestCase):
     for got, want in zip(r["t1/stream_logprobs"], r["t1/one_logprobs"]):
       self.assertEqual(len(got), len(want))
       np.testing.assert_allclose(got, want, atol=1e-4)
+    self.assertEqual(r["t1/stream_first_prompt"], r["t1/stream_prompt"])  # first chunk's
     # The top 2 at each position, and the prompt's logprobs (None first), as one device's.
     [mesh_prompt, mesh_prompt_top], [one_prompt, one_prompt_top] = (r["t1/stream_prompt"],
                                                                     r["t1/one_prompt"])
