@@ -23,7 +23,10 @@ def int_at_least(name, value, low) -> int:
 
 def token_ids(name, ids, vocab) -> list[int]:
   """A flat sequence of ints in [0, vocab); bools, floats and nesting are refused."""
-  if isinstance(ids, (str, bytes)) or not isinstance(ids, (Sequence, np.ndarray)):
+  if hasattr(ids, "__array__") and not isinstance(ids, (str, bytes, Sequence)):
+    ids = np.asarray(ids)  # a jax.Array too
+  if (isinstance(ids, (str, bytes)) or not isinstance(ids, (Sequence, np.ndarray))
+      or isinstance(ids, np.ndarray) and ids.ndim != 1):
     raise ValueError(f"{name} must be a list of token ids, got {ids!r}")
   ids = list(ids)
   bad = [t for t in ids if not is_int(t)]
@@ -38,7 +41,11 @@ def token_ids(name, ids, vocab) -> list[int]:
 
 def per_row(name, value, batch, kind):
   """A scalar or one value per prompt, as a [batch] array; bools are refused."""
-  arr = np.asarray(value)
+  try:
+    arr = np.asarray(value)
+  except ValueError:  # ragged nesting
+    raise ValueError(f"{name} must be a scalar or one value per prompt ({batch}), "
+                     f"got {value!r}") from None
   if arr.dtype.kind not in kind:
     raise ValueError(f"{name} must be {'an int' if kind == 'iu' else 'a number'} "
                      f"(or one per prompt), got {value!r}")
@@ -50,3 +57,11 @@ def per_row(name, value, batch, kind):
   return arr
 
 
+
+
+def utf8(name, text: str) -> bytes:
+  """text's UTF-8 bytes; a lone surrogate (which has none) is refused by name."""
+  try:
+    return text.encode("utf-8")
+  except UnicodeEncodeError as e:
+    raise ValueError(f"{name} is not valid text: {e}") from None

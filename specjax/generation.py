@@ -162,6 +162,8 @@ def _same(a, b) -> bool:
 
 def check_prompts(prompts, model: Model) -> list[list[int]]:
   """Token-id lists from token-id lists, a 2-D array or strings; ValueError otherwise."""
+  if hasattr(prompts, "__array__") and not isinstance(prompts, (str, bytes, Sequence)):
+    prompts = np.asarray(prompts)  # a jax.Array too
   if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
     prompts = list(prompts)
   if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
@@ -172,6 +174,7 @@ def check_prompts(prompts, model: Model) -> list[list[int]]:
     if isinstance(prompt, str):
       if model.tokenizer is None:
         raise ValueError(f"prompt {i} is a string but the target has no tokenizer")
+      checks.utf8(f"prompt {i}", prompt)
       prompt = model.tokenizer.encode(prompt)
     prompt = checks.token_ids(f"prompt {i}", prompt, model.config.vocab_size)
     if not prompt:
@@ -180,8 +183,9 @@ def check_prompts(prompts, model: Model) -> list[list[int]]:
   return out
 
 
-def make_tree(tree, gamma):
-  """`tree=` as a `trees.Tree`: branching factors (k_1, ..., k_d) or a list of paths."""
+def make_tree(tree, gamma, max_len: int | None = None):
+  """`tree=` as a `trees.Tree`: branching factors (k_1, ..., k_d) or a list of paths;
+  max_len: the target's context, which the tree's nodes must fit in."""
   if isinstance(tree, trees.Tree):
     out = tree
   elif isinstance(tree, (tuple, list)) and tree and all(checks.is_int(k) for k in tree):
@@ -195,6 +199,9 @@ def make_tree(tree, gamma):
   if gamma is not None and gamma != out.depth:
     raise ValueError(f"tree has depth {out.depth} but gamma={gamma}: leave gamma unset "
                      "with a tree (the depth is the draft length)")
+  if max_len is not None and out.num_nodes > max_len:  # one pass scores every node
+    raise ValueError(f"tree has {out.num_nodes} nodes, more than the target's context "
+                     f"max_len={max_len}")
   return out
 
 
@@ -236,20 +243,27 @@ def make_drafter(target: Model, draft: Model | None, drafter: str | None, gamma:
                        f"got {draft_sample!r}")
     draft.check_target(target)  # ValueError naming what differs
     if tree is not None:  # head d drafts every node at depth d
-      tree = make_tree(tree, gamma)
+      tree = make_tree(tree, gamma, target.config.max_len)
       return trees.TreeMedusaDrafter(draft.config, tree.depth, draft_sample, tree=tree)
     gamma = checks.int_at_least("gamma (draft length)", 4 if gamma is None else gamma, 1)
     return draft.drafter(gamma, draft_sample)
   if tree is not None:
-    tree = make_tree(tree, gamma)
+    tree = make_tree(tree, gamma, target.config.max_len)
     gamma = tree.depth
     if drafter not in ("model", "ngram"):
       raise ValueError(f"tree= needs drafter='model' (a draft model) or 'ngram'; the "
                        f"{drafter!r} drafter proposes chains only")
   gamma = checks.int_at_least("gamma (draft length)", 4 if gamma is None else gamma, 1)
+  max_len = target.config.max_len
+  if gamma > max_len:  # a draft the context cannot hold (its pass would not fit either)
+    raise ValueError(f"gamma (draft length) {gamma} is longer than the target's context "
+                     f"max_len={max_len}")
   if drafter == "ngram":
     if not (checks.is_int(ngram_min) and checks.is_int(ngram_max) and 1 <= ngram_min <= ngram_max):
       raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {ngram_min}, {ngram_max}")
+    if ngram_max > max_len:  # no longer n-gram fits the context (each size is traced)
+      raise ValueError(f"ngram_max {ngram_max} is longer than the target's context "
+                       f"max_len={max_len}")
     if tree is not None:  # several earlier matches: distinct continuations as a tree
       return trees.NgramTreeDrafter(vocab_size=target.config.vocab_size, gamma=gamma,
                                     min_n=int(ngram_min), max_n=int(ngram_max), tree=tree)
@@ -446,7 +460,8 @@ def _stop_table(target: Model, eos_id, stop_sequences):
         raise ValueError(f"stop sequence {i} is a string but the target has no tokenizer")
       if not stop:
         raise ValueError(f"stop sequence {i} is empty")
-      strings.append(stop.encode("utf-8") if isinstance(stop, str) else bytes(stop))
+      strings.append(checks.utf8(f"stop sequence {i}", stop) if isinstance(stop, str)
+                     else bytes(stop))
       given.append(stop)
       continue
     stop = checks.token_ids(f"stop sequence {i}", stop, vocab)
@@ -498,9 +513,10 @@ def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p
                      f"got {temperature.tolist()}")
   if np.any(temperature > np.finfo(np.float32).max):
     raise ValueError(f"temperature must fit in float32 (<= 3.4e38), got {temperature.tolist()}")
-  top_p = checks.per_row("top_p", top_p, batch, "iuf").astype(np.float32)
-  if not np.all((top_p > 0) & (top_p <= 1)):
-    raise ValueError(f"top_p must be in (0, 1], got {top_p.tolist()}")
+  given_p = checks.per_row("top_p", top_p, batch, "iuf").astype(np.float64)
+  top_p = given_p.astype(np.float32)  # checked as given and as the engine reads it
+  if not np.all((given_p > 0) & (given_p <= 1) & (top_p > 0)):
+    raise ValueError(f"top_p must be in (0, 1] (and > 0 in float32), got {given_p.tolist()}")
   top_k = checks.per_row("top_k", top_k, batch, "iu")
   if np.any(top_k < 0):
     raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k.tolist()}")
@@ -702,6 +718,9 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
       a multiple of dp (the copies are dropped). Same seed, same tokens as one device.
   """
   seed = _check_seed(seed)
+  if mesh is not None:  # before prepare, which may time the pair (gamma_policy='ledger')
+    from specjax.models import sharding
+    mesh = sharding.check_mesh(mesh)
   args = prepare(target, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                  top_k=top_k, top_p=top_p, eos_id=eos_id, stop_sequences=stop_sequences,
                  draft=draft, gamma=gamma, tree=tree,
@@ -936,6 +955,9 @@ def stream(target: Model, prompts, *, rounds_per_chunk: int = 1, seed: int = 0,
     raise TypeError(f"stream() got unexpected keyword arguments {unknown}; it takes "
                     "generate's and rounds_per_chunk")
   mesh = kwargs.pop("mesh", None)
+  if mesh is not None:  # before prepare, which may time the pair (gamma_policy='ledger')
+    from specjax.models import sharding
+    mesh = sharding.check_mesh(mesh)
   defaults = {k: p.default for k, p in params.items()  # generate's, so the two agree
               if p.kind is p.KEYWORD_ONLY and k not in ("seed", "mesh")}
   prepared = prepare(target, prompts, **{**defaults, **kwargs})

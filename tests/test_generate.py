@@ -3,6 +3,7 @@
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from absl.testing import parameterized
@@ -87,6 +88,35 @@ class AutoregressiveTest(parameterized.TestCase):
                                       seed=3).stats["committed"], 4)
     res = specjax.generate(model, [[1, 2]], max_new_tokens=4, temperature=1e-30)
     self.assertEqual(res.tokens, want)  # the limit of T -> 0 is greedy, never NaN
+    # jax arrays, as a batch or a prompt.
+    self.assertEqual(specjax.generate(model, jnp.array([[1, 2]]), max_new_tokens=4).tokens,
+                     want)
+    self.assertEqual(specjax.generate(model, [jnp.array([1, 2])], max_new_tokens=4).tokens,
+                     want)
+
+  def test_processors_at_their_limit_stay_finite(self):
+    """Penalties and biases of 1e30 (the most taken) on every token the row repeats:
+    the processed logprobs are finite or -inf, never NaN (1e39 and a repetition penalty
+    of 1e-40, finite in float64, made every token NaN)."""
+    model = tiny_model(vocab=16, n_layers=1, seed=4)
+    for kw in (dict(frequency_penalty=-1e30, presence_penalty=1e30, repetition_penalty=1e-30,
+                    logit_bias={5: 1e30, 6: -1e30}),
+               dict(frequency_penalty=1e30, presence_penalty=-1e30, repetition_penalty=1e30,
+                    logit_bias={5: -1e30, 6: 1e30})):
+      res = specjax.generate(model, [[1, 2, 5, 5, 6]], max_new_tokens=8, temperature=1.0,
+                             drafter="ngram", gamma=2, logprobs=True,
+                             logprobs_mode="processed", **kw)
+      lp = np.asarray(res.logprobs[0])
+      self.assertEqual(len(lp), 8)
+      self.assertFalse(np.any(np.isnan(lp)), (kw, lp))
+      self.assertTrue(np.all(np.isfinite(lp)), (kw, lp))  # each token drawn was allowed
+
+  def test_text_that_is_not_unicode_is_refused_by_name(self):
+    target = specjax.load_pretrained("stdlib-target")
+    with self.assertRaisesRegex(ValueError, "prompt 1 is not valid text"):
+      specjax.generate(target, ["def f():", "x = '\ud800'"], max_new_tokens=2)
+    with self.assertRaisesRegex(ValueError, "stop sequence 1 is not valid text"):
+      specjax.generate(target, ["def f():"], max_new_tokens=2, stop_sequences=["a", "\udfff"])
 
   def test_a_bare_stop_string_is_one_stop_sequence(self):
     target = specjax.load_pretrained("stdlib-target")
@@ -130,6 +160,28 @@ class BadInputTest(parameterized.TestCase):
       ("seed_huge", dict(seed=2 ** 40), "seed"),
       ("stops_not_a_list", dict(stop_sequences=5), "stop_sequences must be a list"),
       ("bias_not_a_dict", dict(logit_bias=5), "logit_bias must be a dict"),
+      # Finite in float64 but not as the engine computes (float32): NaNs before the limit.
+      ("repetition_underflow", dict(repetition_penalty=1e-40),
+       r"repetition_penalty must be a number in \[1e-30, 1e30\]"),
+      ("repetition_huge", dict(repetition_penalty=1e31), "repetition_penalty"),
+      ("frequency_huge", dict(frequency_penalty=1e39),
+       "frequency_penalty must be finite, at most 1e30"),
+      ("presence_huge", dict(presence_penalty=-2e30), "presence_penalty must be finite"),
+      ("bias_huge", dict(logit_bias={5: 1e39}), "logit_bias for token 5 must be a finite"),
+      ("bias_bool", dict(logit_bias={5: True}), "logit_bias for token 5"),
+      ("top_p_underflow", dict(top_p=1e-50), r"top_p must be in \(0, 1\].*1e-50"),
+      ("top_p_just_above", dict(top_p=1.00000001), "top_p"),
+      ("ragged_per_row", dict(temperature=[[0.5], [0.1, 0.2]]),
+       "temperature must be a scalar or one value per prompt"),
+      ("nested_prompt", dict(prompts=np.array([[[1, 2]]])), "prompts"),
+      ("prompt_a_matrix", dict(prompts=[np.array([[1, 2]])]), "prompt 0 must be a list"),
+      # Past the context (64): refused, where they made huge buffers or ran for minutes.
+      ("gamma_past_context", dict(drafter="ngram", gamma=65),
+       "gamma \\(draft length\\) 65 is longer than the target's context max_len=64"),
+      ("ngram_max_past_context", dict(drafter="ngram", ngram_max=65),
+       "ngram_max 65 is longer than the target's context max_len=64"),
+      ("tree_past_context", dict(drafter="ngram", tree=(65,)),
+       "tree has 65 nodes, more than the target's context max_len=64"),
   )
   def test_raises_before_any_work(self, kwargs, message):
     model = tiny_model(vocab=16, max_len=64)
@@ -660,6 +712,21 @@ def test_stream_hands_out_the_logprobs_and_logprobs_is_checked(stream_pair):
 def test_stream_refuses_bad_input_before_anything_runs(stream_pair, kw, message):
   with pytest.raises(ValueError, match=message):
     specjax.stream(stream_pair[0], [[1, 2]], **kw)
+
+
+def test_a_bad_mesh_is_refused_before_the_ledger_times_the_pair(stream_pair, monkeypatch):
+  """gamma_policy='ledger' times the pair in `prepare` (seconds): the mesh is checked
+  before it, for generate and stream alike."""
+  from specjax import costs
+  def timed(*args, **kwargs):
+    raise AssertionError("the pair was timed before the mesh was checked")
+  monkeypatch.setattr(costs, "step_costs", timed)
+  target, draft = stream_pair
+  for call in (specjax.generate, specjax.stream):
+    with pytest.raises(ValueError, match="mesh must be a jax.sharding.Mesh"):
+      call(target, [[1, 2]], draft=draft, gamma=2, gamma_policy="ledger", mesh="foo")
+  with pytest.raises(AssertionError, match="timed before"):  # the patch is on the path
+    specjax.generate(target, [[1, 2]], draft=draft, gamma=2, gamma_policy="ledger")
 
 
 def test_stream_takes_generates_arguments_and_defaults(stream_pair):

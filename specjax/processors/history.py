@@ -301,6 +301,13 @@ def banned(cfg: ProcessorConfig, settings: ProcessorSettings, h: History):
 # Host side: `generate`'s keyword arguments -> (ProcessorConfig, ProcessorSettings).
 
 
+# The largest processor magnitude taken. Past ~1e30 a penalty or bias changes nothing more
+# (it already bans or forces a token), and below it the processed logits stay finite in
+# float32 however they add up (a frequency penalty times a count of up to 2**24, a bias,
+# a logit scaled by the repetition penalty), where a larger value made inf - inf: NaNs.
+PROCESSOR_LIMIT = 1e30
+
+
 def settings_from_args(batch, vocab, max_new_tokens, stop_seqs, stop_lens, eos_ids, *,
                        repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
                        no_repeat_ngram_size=0, min_new_tokens=0, logit_bias=None,
@@ -312,15 +319,15 @@ def settings_from_args(batch, vocab, max_new_tokens, stop_seqs, stop_lens, eos_i
   `stop_table` is `stops.token_table(...)` for stop strings matched on the text, or None.
   """
   rep = checks.per_row("repetition_penalty", repetition_penalty, batch, "iuf").astype(np.float64)
-  if not np.all(np.isfinite(rep) & (rep > 0)):
-    raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), "
+  if not np.all((rep >= 1 / PROCESSOR_LIMIT) & (rep <= PROCESSOR_LIMIT)):
+    raise ValueError(f"repetition_penalty must be a number in [1e-30, 1e30] (1 = off), "
                      f"got {rep.tolist()}")
   pres, freq = (checks.per_row(name, value, batch, "iuf").astype(np.float64) for name, value in
                 (("presence_penalty", presence_penalty),
                  ("frequency_penalty", frequency_penalty)))
   for name, arr in (("presence_penalty", pres), ("frequency_penalty", freq)):
-    if not np.all(np.isfinite(arr)):
-      raise ValueError(f"{name} must be finite, got {arr.tolist()}")
+    if not np.all(np.abs(arr) <= PROCESSOR_LIMIT):  # NaN fails too
+      raise ValueError(f"{name} must be finite, at most 1e30 in size, got {arr.tolist()}")
   ngram = checks.per_row("no_repeat_ngram_size", no_repeat_ngram_size, batch, "iu")
   if np.any(ngram < 0):
     raise ValueError(f"no_repeat_ngram_size must be >= 0 (0 = off), got {ngram.tolist()}")
@@ -381,7 +388,9 @@ def _bias_table(logit_bias, batch, vocab):
     for token, value in d.items():
       if not checks.is_int(token) or not 0 <= token < vocab:
         raise ValueError(f"logit_bias token id {token!r} is outside the vocabulary [0, {vocab})")
-      if not isinstance(value, (int, float, np.number)) or not np.isfinite(value):
-        raise ValueError(f"logit_bias for token {token} must be a finite number, got {value!r}")
+      if (not isinstance(value, (int, float, np.number)) or isinstance(value, bool)
+          or not abs(value) <= PROCESSOR_LIMIT):  # NaN fails too
+        raise ValueError(f"logit_bias for token {token} must be a finite number, at most "
+                         f"1e30 in size, got {value!r}")
       table[b, token] = value
   return table
