@@ -131,6 +131,24 @@ def test_params_that_do_not_fit_the_config(saved):
     checkpoint.load_model(saved)
 
 
+def test_an_array_the_manifest_does_not_list_is_refused(saved):
+  """params.npz and model.json must name the same parameters (heads share this check)."""
+  import hashlib
+  import io
+  with np.load(saved / "params.npz") as stored:
+    arrays = dict(stored)
+  arrays["blocks/2/mlp/up/kernel"] = np.zeros((2, 2), np.float32)
+  buffer = io.BytesIO()
+  np.savez(buffer, **arrays)
+  (saved / "params.npz").write_bytes(buffer.getvalue())
+  manifest = json.loads((saved / "model.json").read_text())
+  manifest["params_sha256"] = hashlib.sha256(buffer.getvalue()).hexdigest()
+  (saved / "model.json").write_text(json.dumps(manifest))
+  with pytest.raises(checkpoint.CheckpointError,
+                     match=r"ckpt does not match its config: .*unexpected \['blocks/2/mlp"):
+    checkpoint.load_model(saved)
+
+
 def test_config_fields_are_hashable_and_json_round_trip():
   cfg = CONFIGS["qk_norm_llama3"]
   assert isinstance(cfg.rope_scaling, tuple) and hash(cfg) == hash(ModelConfig.from_dict(

@@ -445,12 +445,38 @@ def test_a_broken_head_file_names_what_is_wrong(target, tmp_path):
     heads_lib.load_head(path, dtype="int8")
   for edit, message in [(lambda m: m.pop("target_fingerprint"), "no 'target_fingerprint'"),
                         (lambda m: m["config"].update(kind="tree"), "config is invalid"),
-                        (lambda m: m.update(params={}), "no valid dtype")]:
+                        (lambda m: m.update(params={}), "does not match its config"),
+                        (lambda m: next(iter(m["params"].values())).pop("dtype"),
+                         "no valid dtype")]:
     m = json.loads(manifest)
     edit(m)
     (path / heads_lib.MANIFEST).write_text(json.dumps(m))
     with pytest.raises(checkpoint.CheckpointError, match=message):
       heads_lib.load_head(path)
+
+
+@pytest.mark.parametrize("edit, message", [
+    # A head count that is not the stored one would load a subset of the heads (or fail
+    # as a KeyError); 2.7 heads is no count at all.
+    (dict(medusa_heads=2), r"head .*medusa does not match its config: missing \[\], "
+                           r"unexpected \['heads/2/bias'"),
+    (dict(medusa_heads=6), r"does not match its config: missing \['heads/4/bias'"),
+    (dict(medusa_heads=2.7), r"head.json: its config is invalid: .*medusa_heads must be a "
+                             r"positive int, got 2.7"),
+    (dict(medusa_heads=True), "medusa_heads must be a positive int"),
+    (dict(kind=None), r"head.json: its config is invalid: no HeadConfig field 'kind'"),
+    (dict(target=None), "no HeadConfig field 'target'"),
+    (dict(medusa_head=2), r"unknown HeadConfig fields: \['medusa_head'\]"),
+])
+def test_a_hand_edited_head_config_is_refused(target, tmp_path, edit, message):
+  from specjax.models import checkpoint
+  path = heads_lib.save_head(tmp_path / "medusa", random_head(target, "medusa"))
+  manifest = json.loads((path / heads_lib.MANIFEST).read_text())
+  for k, v in edit.items():  # None: the field removed
+    manifest["config"].pop(k) if v is None else manifest["config"].update({k: v})
+  (path / heads_lib.MANIFEST).write_text(json.dumps(manifest))
+  with pytest.raises(checkpoint.CheckpointError, match=message):
+    heads_lib.load_head(path)
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -176,11 +176,7 @@ def load_params(path: str | os.PathLike, dtype=None, host: bool = False):
     raise CheckpointError(f"checkpoint file {params_path} is unreadable: {e}") from e
   reference, treedef = _reference_leaves(cfg)
   specs = manifest["params"]
-  missing = [k for k, _ in reference if k not in specs or k not in stored.files]
-  extra = sorted(set(specs) - {k for k, _ in reference})
-  if missing or extra:
-    raise CheckpointError(f"checkpoint {path} does not match its config: missing "
-                          f"{missing[:5]}, unexpected {extra[:5]}")
+  check_param_names([k for k, _ in reference], specs, stored.files, f"checkpoint {path}")
   leaves = []
   for key, ref in reference:
     arr = stored[key]
@@ -192,6 +188,17 @@ def load_params(path: str | os.PathLike, dtype=None, host: bool = False):
       arr = arr.astype(jnp.dtype(dtype))
     leaves.append(arr if host else jnp.asarray(arr))
   return cfg, jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def check_param_names(want, specs, stored, where):
+  """CheckpointError naming `where` unless the manifest's `specs` and the file's `stored`
+  names hold exactly the config's parameters `want`: a hand-edited config (fewer layers or
+  heads) would otherwise load a subset of the weights without a word."""
+  missing = [k for k in want if k not in specs or k not in stored]
+  extra = sorted((set(specs) | set(stored)) - set(want))
+  if missing or extra:
+    raise CheckpointError(f"{where} does not match its config: missing "
+                          f"{missing[:5]}, unexpected {extra[:5]}")
 
 
 def _stored_dtype(specs, key, where):

@@ -65,7 +65,8 @@ class HeadConfig:
   def __post_init__(self):
     if self.kind not in KINDS:
       raise ValueError(f"HeadConfig.kind must be one of {KINDS}, got {self.kind!r}")
-    if not isinstance(self.medusa_heads, int) or self.medusa_heads < 1:
+    if (not isinstance(self.medusa_heads, int) or isinstance(self.medusa_heads, bool)
+        or self.medusa_heads < 1):
       raise ValueError(f"HeadConfig.medusa_heads must be a positive int, got {self.medusa_heads!r}")
 
   @property
@@ -95,8 +96,15 @@ class HeadConfig:
 
   @classmethod
   def from_dict(cls, d: dict[str, Any]) -> "HeadConfig":
+    # Named, not a bare KeyError; no int() either: 2.7 heads is an error, not 2.
+    missing = [k for k in ("kind", "target") if k not in d]
+    if missing:
+      raise ValueError(f"no HeadConfig field {', '.join(map(repr, missing))}")
+    unknown = sorted(set(d) - {"kind", "target", "medusa_heads"})
+    if unknown:
+      raise ValueError(f"unknown HeadConfig fields: {unknown}")
     return cls(kind=d["kind"], target=ModelConfig.from_dict(d["target"]),
-               medusa_heads=int(d.get("medusa_heads", 4)))
+               medusa_heads=d.get("medusa_heads", 4))
 
 
 class _Readout(nnx.Module):
@@ -368,11 +376,11 @@ def load_head(path: str | os.PathLike, dtype=jnp.float32) -> Head:
   stored = np.load(io.BytesIO(blob), allow_pickle=False)
   reference = jax.eval_shape(lambda: init_params(hc))
   leaves, treedef = jax.tree_util.tree_flatten_with_path(reference)
+  checkpoint_lib.check_param_names([checkpoint_lib._key(p) for p, _ in leaves],
+                                   manifest["params"], stored.files, f"head {path}")
   out = []
   for p, ref in leaves:
     key = checkpoint_lib._key(p)
-    if key not in stored.files:
-      raise err(f"head {path} is missing parameter {key}")
     arr = checkpoint_lib._as_stored(
         stored[key], checkpoint_lib._stored_dtype(manifest["params"], key, path / MANIFEST),
         key, path)
