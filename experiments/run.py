@@ -39,6 +39,13 @@ PROCESSOR_FIELDS = {"repetition_penalty": 1.0, "presence_penalty": 0.0,
                     "frequency_penalty": 0.0, "no_repeat_ngram_size": 0,
                     # γ policy and verify rule: 'fixed' / 'exact' = today's chain.
                     "gamma_policy": "fixed", "verify_rule": "exact"}
+# Numbers on these axes are floats: temperature 0 and 0.0 are one point (one key, one row).
+FLOAT_FIELDS = ("temperature", "top_p", "repetition_penalty", "presence_penalty",
+                "frequency_penalty")
+
+
+def _as_float(field, value):
+  return float(value) if field in FLOAT_FIELDS else value
 
 
 def validate(cfg) -> None:
@@ -158,7 +165,8 @@ def point_key(point: dict) -> str:
   key = {k: point[k] for k in GRID_FIELDS}
   key["tree"] = point.get("tree")
   key.update({k: point.get(k, off) for k, off in PROCESSOR_FIELDS.items()})
-  return json.dumps(key, sort_keys=True)
+  # A row written from an int (temperature 0) is the point 0.0.
+  return json.dumps({k: _as_float(k, v) for k, v in key.items()}, sort_keys=True)
 
 
 def read_rows(path: Path, repair: bool = False) -> list[dict]:
@@ -233,7 +241,7 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
   done = {point_key(r) for r in rows}
   fields = GRID_FIELDS + tuple(PROCESSOR_FIELDS)
   grid = [dict(zip(fields, values)) for values in itertools.product(
-      *(tuple(cfg[f]) for f in fields))]
+      *(tuple(_as_float(f, v) for v in cfg[f]) for f in fields))]
   # Token trees: points whose γ is the tree's depth, at every processor setting (each node
   # is processed with its own root-to-node history); n-gram or Medusa trees when the first
   # drafter is 'ngram' or 'medusa', model-drafter trees otherwise.

@@ -209,6 +209,29 @@ def test_a_workdir_of_other_settings_is_refused_and_kept(smoke, tmp_path):
   assert before == {p.name: p.read_bytes() for p in copy.iterdir()}
 
 
+def _no_loading(*args, **kwargs):
+  raise AssertionError("a model or head was loaded")
+
+
+def test_a_rerun_reads_ints_as_the_floats_it_measured(smoke, tmp_path, monkeypatch):
+  """Temperature 1 is the point measured at 1.0: a rerun neither times it again nor
+  appends it twice."""
+  import shutil
+  cfg, workdir, rows = smoke
+  copy = tmp_path / "copy"
+  shutil.copytree(workdir, copy)
+  before = (copy / "results.jsonl").read_text()
+  monkeypatch.setattr(run_lib.common, "load_pair", _no_loading)
+  again = sweep_config.get_config("smoke")
+  assert again.temperature == (1.0,) and again.top_p == (1.0,)
+  again.update(temperature=(1,), top_p=(1,), repetition_penalty=(1,), presence_penalty=(0,),
+               frequency_penalty=(0,))
+  assert run_lib.run_sweep(again, copy, progress=False) == rows
+  assert (copy / "results.jsonl").read_text() == before
+  row = dict(rows[0], temperature=1, top_p=1)  # as a row written from such a config reads
+  assert run_lib.point_key(row) == run_lib.point_key(rows[0])
+
+
 def test_call_costs_need_two_rounds(tmp_path):
   cfg = sweep_config.get_config("smoke")
   cfg.update(call_costs=True, max_new_tokens=1)
