@@ -158,7 +158,10 @@ def point_specs(cfg, point: dict, base: dict, heads: dict, draft, draft_cost):
 
 def _write_config(cfg, workdir: Path):
   workdir.mkdir(parents=True, exist_ok=True)
-  (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
+  # Renamed into place: a run stopped mid-write leaves no half a config to refuse later.
+  tmp = workdir / "config.json.tmp"
+  tmp.write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
+  tmp.replace(workdir / "config.json")
 
 
 def point_key(point: dict) -> str:
@@ -200,8 +203,9 @@ def check_workdir(cfg, workdir: Path) -> None:
   saved_path, results = workdir / "config.json", workdir / "results.jsonl"
   if workdir.exists() and not workdir.is_dir():
     raise ValueError(f"--workdir {workdir} is a file")
+  rows = read_rows(results)
   if not saved_path.exists():
-    if results.exists():
+    if rows:
       raise ValueError(f"{results} has rows but {saved_path} is missing, so the settings "
                        "they were measured under are unknown: use another --workdir")
     return
@@ -213,6 +217,8 @@ def check_workdir(cfg, workdir: Path) -> None:
   if not isinstance(saved, dict) or not {"drafter", "gamma", "target"} <= set(saved):
     raise ValueError(f"{saved_path} is not a sweep's config (another job's workdir?): "
                      "use another --workdir")
+  if not rows:  # a run stopped before its first row: nothing measured, config.json rewritten
+    return
   grid = set(GRID_FIELDS) | set(PROCESSOR_FIELDS) | {"trees"}
   differ = sorted(k for k in set(saved) | set(now)
                   if k not in grid and saved.get(k) != now.get(k))

@@ -232,6 +232,21 @@ def test_a_rerun_reads_ints_as_the_floats_it_measured(smoke, tmp_path, monkeypat
   assert run_lib.point_key(row) == run_lib.point_key(rows[0])
 
 
+def test_a_workdir_stopped_before_its_first_row_takes_a_changed_config(tmp_path):
+  """config.json is written before the first point is measured; with no rows yet there
+  is nothing measured under the old settings to protect."""
+  cfg = sweep_config.get_config("smoke")
+  old = sweep_config.get_config("smoke")
+  old.max_new_tokens = cfg.max_new_tokens + 1
+  run_lib._write_config(old, tmp_path)
+  assert run_lib.check_workdir(cfg, tmp_path) is None
+  (tmp_path / "results.jsonl").write_text('{"drafter": "ng')  # cut short: no row
+  assert run_lib.check_workdir(cfg, tmp_path) is None
+  (tmp_path / "results.jsonl").write_text('{"drafter": "ngram"}\n')
+  with pytest.raises(ValueError, match="measured with other settings.*max_new_tokens"):
+    run_lib.check_workdir(cfg, tmp_path)
+
+
 def test_call_costs_need_two_rounds(tmp_path):
   cfg = sweep_config.get_config("smoke")
   cfg.update(call_costs=True, max_new_tokens=1)
