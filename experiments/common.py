@@ -62,10 +62,14 @@ def load_pair(target_name: str, draft_name: str | None, dtype=jnp.float32):
   return target, draft
 
 
-def heldout_prompts(tokenizer, corpus: str, num_prompts: int, prompt_tokens: int,
-                    seed: int = 0) -> list[list[int]]:
-  """`num_prompts` windows of `prompt_tokens` tokens from distinct held-out documents."""
-  texts = data_lib.load_corpus(corpus).read("heldout")
+def heldout_prompts(tokenizer, corpus: str | data_lib.Corpus, num_prompts: int,
+                    prompt_tokens: int, seed: int = 0) -> list[list[int]]:
+  """`num_prompts` windows of `prompt_tokens` tokens from distinct held-out documents of
+  `corpus` (a source `load_corpus` takes, or a corpus it returned)."""
+  if isinstance(corpus, data_lib.Corpus):
+    texts, corpus = corpus.read("heldout"), str(corpus.root)
+  else:
+    texts = data_lib.load_corpus(corpus).read("heldout")
   rng = np.random.default_rng(seed)
   prompts = []
   for i in rng.permutation(len(texts)):

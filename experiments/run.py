@@ -27,6 +27,7 @@ from specjax import ledger
 from specjax import policies
 from specjax.models import heads as heads_lib
 from specjax.models.pretrained import load_pretrained, read_config
+from specjax.training import data as data_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/sweep.py", "Sweep config.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where results go.", required=True)
@@ -199,10 +200,16 @@ def read_rows(path: Path, repair: bool = False) -> list[dict]:
 
 def check_workdir(cfg, workdir: Path) -> None:
   """Refuses a workdir whose rows were measured under other settings: a rerun adds grid
-  points to a sweep, so every field outside the grid must be what config.json says."""
+  points to a sweep, so every field outside the grid must be what config.json says.
+  Also a workdir that could not be written, before anything loads."""
   saved_path, results = workdir / "config.json", workdir / "results.jsonl"
-  if workdir.exists() and not workdir.is_dir():
-    raise ValueError(f"--workdir {workdir} is a file")
+  # The nearest folder that exists must be one: mkdir would fail only once models load.
+  there = next(p for p in (workdir, *workdir.parents) if p.exists())
+  if not there.is_dir():
+    raise ValueError(f"--workdir {workdir}: {there} is a file, not a directory")
+  for path in (saved_path, results):
+    if path.exists() and not path.is_file():
+      raise ValueError(f"--workdir {workdir}: {path} is not a file: use another --workdir")
   rows = read_rows(results)
   if not saved_path.exists():
     if rows:
@@ -211,8 +218,8 @@ def check_workdir(cfg, workdir: Path) -> None:
     return
   try:
     saved = json.loads(saved_path.read_text())
-  except ValueError as e:
-    raise ValueError(f"{saved_path} is not JSON ({e}): use another --workdir") from None
+  except (ValueError, OSError) as e:
+    raise ValueError(f"{saved_path} is not readable JSON ({e}): use another --workdir") from None
   now = json.loads(json.dumps(cfg.to_dict()))
   if not isinstance(saved, dict) or not {"drafter", "gamma", "target"} <= set(saved):
     raise ValueError(f"{saved_path} is not a sweep's config (another job's workdir?): "
@@ -242,6 +249,12 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
   validate(cfg)
   workdir = Path(workdir)
   check_workdir(cfg, workdir)
+  corpus = None
+  if prompts is None:  # read now (a fraction of a second), not once the models load
+    try:
+      corpus = data_lib.load_corpus(cfg.corpus)
+    except ValueError as e:
+      raise ValueError(f"config.corpus: {e}") from None
   results_path = workdir / "results.jsonl"
   rows = read_rows(results_path, repair=True)
   done = {point_key(r) for r in rows}
@@ -298,7 +311,7 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
   if prompts is None:
     if target.tokenizer is None:
       raise ValueError(f"target {cfg.target!r} has no tokenizer: prompts come from text")
-    prompts = common.heldout_prompts(target.tokenizer, cfg.corpus, cfg.num_prompts,
+    prompts = common.heldout_prompts(target.tokenizer, corpus, cfg.num_prompts,
                                      cfg.prompt_tokens, seed=cfg.seed)
   if not prompts:
     raise ValueError("no prompts")

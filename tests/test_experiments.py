@@ -247,6 +247,37 @@ def test_a_workdir_stopped_before_its_first_row_takes_a_changed_config(tmp_path)
     run_lib.check_workdir(cfg, tmp_path)
 
 
+def _file_in_the_way(tmp_path):
+  (tmp_path / "afile").write_text("")
+  return tmp_path / "afile" / "run"
+
+
+def _dir_named(name):
+  def make(tmp_path):
+    (tmp_path / "run" / name).mkdir(parents=True)
+    return tmp_path / "run"
+  return make
+
+
+@pytest.mark.parametrize("workdir,corpus,message", [
+    (lambda p: p / "run", "/nonexistent/corpus",
+     r"config.corpus: corpus source '/nonexistent/corpus' does not exist"),
+    (lambda p: p / "run", None, r"config.corpus: corpus directory .*empty has no UTF-8"),
+    (_file_in_the_way, "stdlib", r"--workdir .*afile/run: .*afile is a file, not a directory"),
+    (_dir_named("config.json"), "stdlib", r"run/config.json is not a file"),
+    (_dir_named("results.jsonl"), "stdlib", r"run/results.jsonl is not a file"),
+], ids=["no-corpus", "empty-corpus", "file-in-the-way", "config-dir", "results-dir"])
+def test_odd_paths_fail_before_anything_loads(tmp_path, monkeypatch, workdir, corpus, message):
+  monkeypatch.setattr(run_lib.common, "load_pair", _no_loading)
+  monkeypatch.setattr(run_lib, "load_pretrained", _no_loading)
+  monkeypatch.setattr(run_lib, "read_config", _no_loading)
+  (tmp_path / "empty").mkdir()
+  cfg = sweep_config.get_config("smoke")
+  cfg.corpus = corpus or str(tmp_path / "empty")
+  with pytest.raises(ValueError, match=message):
+    run_lib.run_sweep(cfg, workdir(tmp_path), progress=False)
+
+
 def test_call_costs_need_two_rounds(tmp_path):
   cfg = sweep_config.get_config("smoke")
   cfg.update(call_costs=True, max_new_tokens=1)
