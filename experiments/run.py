@@ -81,6 +81,9 @@ def validate(cfg) -> None:
   for d in cfg.drafter:
     if d not in generation.DRAFTERS:
       fail("drafter", f"unknown drafter {d!r}; use one of {generation.DRAFTERS}")
+  if any(not isinstance(t, (tuple, list)) for t in cfg.trees):  # '((2,2,1,1))' is one flat tuple
+    fail("trees", "is a tuple of trees, each a tuple: one tree is '((2,2,1,1),)', "
+         "with the comma")
   for tree in cfg.trees:
     try:
       generation.make_tree(tree, None)

@@ -125,6 +125,8 @@ def test_rerun_skips_done_points(smoke):
     ("gamma", (2, 1, 2), r"config.gamma: repeats 2 "),
     ("eagle_head", "stdlib-draft", r"config.eagle_head: 'stdlib-draft' is a model, not a head"),
     ("eagle_head", "stdlib-medusa", r"config.eagle_head: 'stdlib-medusa' is a medusa head"),
+    # '((2,2,1,1))' on the command line is one flat tuple, not a tuple of one tree.
+    ("trees", (2, 2, 1, 1), r"config.trees: is a tuple of trees.*'\(\(2,2,1,1\),\)'"),
 ])
 def test_bad_config_fails_at_once(tmp_path, field, value, message):
   cfg = sweep_config.get_config("smoke")
