@@ -311,16 +311,21 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
       _check_heads(cfg, heads, lambda head: head.config.check_target_config(target_config))
     target, draft = common.load_pair(cfg.target, cfg.draft if needs_draft else None)
   _check_heads(cfg, heads, lambda head: head.check_target(target))  # and the weights'
+  named = "the target in models=" if models is not None else f"target {cfg.target!r}"
+  if prompts is None and target.tokenizer is None:
+    raise ValueError(f"{named} has no tokenizer: prompts come from text")
+  eos_id = getattr(target.tokenizer, "eos_id", None)
+  if cfg.stop_at_eos and eos_id is None:
+    raise ValueError(f"config.stop_at_eos: {named} has no tokenizer with an end-of-text "
+                     "token to stop at; set --config.stop_at_eos=False")
   if prompts is None:
-    if target.tokenizer is None:
-      raise ValueError(f"target {cfg.target!r} has no tokenizer: prompts come from text")
     prompts = common.heldout_prompts(target.tokenizer, corpus, cfg.num_prompts,
                                      cfg.prompt_tokens, seed=cfg.seed)
   if not prompts:
     raise ValueError("no prompts")
   context = max(len(p) for p in prompts) + cfg.max_new_tokens // 2
   base = dict(max_new_tokens=cfg.max_new_tokens, top_k=cfg.top_k, seed=cfg.seed,
-              eos_id=target.tokenizer.eos_id if cfg.stop_at_eos else None)
+              eos_id=eos_id if cfg.stop_at_eos else None)
   if mesh is not None:
     base["mesh"] = mesh
   batches = -(-len(prompts) // min(cfg.batch_size))
