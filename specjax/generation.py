@@ -624,6 +624,8 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
       draft; scalars or one value per prompt. temperature 0 is exact greedy.
     seed: PRNG seed; rows draw independent random numbers from it.
     eos_id: an id (or list of ids) that ends a row; it is emitted, nothing after it.
+      The default None stops at no EOS, not even the tokenizer's (rows run to
+      max_new_tokens, through `<|endoftext|>`): pass `eos_id=target.tokenizer.eos_id`.
     stop_sequences: token-id lists, or strings, that end a row once generated; the
       tokens that complete one are emitted, like EOS. A match must lie in the new text.
       A string matches the text however it was split into tokens: the row stops at the
@@ -694,7 +696,8 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
       from the prefill's logits (like vLLM's prompt_logprobs, but a bool: the n is
       top_logprobs'). Scoring a text needs no generation beyond max_new_tokens=1 (so
       at most max_len - 1 tokens). The prefill then computes the LM head at every
-      prompt position, not only the last. A stream has them in its `result`.
+      prompt position, not only the last. A stream hands them out in its first chunk
+      (and in its `result`).
     logprobs_mode: 'raw' (the default, above) or 'processed': the new tokens' logprobs
       and top n under the distribution they were sampled from, after the processors,
       temperature, top-k and top-p (vLLM's processed_logprobs; what an RL update needs
