@@ -113,6 +113,9 @@ def test_corpus_split_is_deterministic_and_disjoint(tmp_path):
   assert set(a.heldout) <= set(c.heldout) and set(a.train) <= set(c.train)
   with pytest.raises(ValueError, match="does not exist"):
     data.load_corpus(str(tmp_path / "missing"))
+  for empty in ("", " "):
+    with pytest.raises(ValueError, match="corpus source must be 'stdlib', a directory or"):
+      data.load_corpus(empty)
 
 
 def test_stream_and_batches(tokenizer, tmp_path):

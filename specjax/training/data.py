@@ -80,6 +80,9 @@ def load_corpus(source: str = STDLIB, heldout_fraction: float = 0.05,
   if not 0.0 < heldout_fraction < 1.0:
     raise ValueError(f"heldout_fraction must be in (0, 1), got {heldout_fraction}")
   skip_dirs = frozenset()
+  if not isinstance(source, (str, os.PathLike)) or not str(source).strip():  # '': the cwd
+    raise ValueError(f"corpus source must be {STDLIB!r}, a directory or a text file, "
+                     f"got {source!r}")
   if source == STDLIB:
     root, suffixes, skip_dirs = stdlib_root(), suffixes or (".py",), _STDLIB_SKIP_DIRS
   else:
