@@ -21,10 +21,16 @@ def int_at_least(name, value, low) -> int:
   return int(value)
 
 
+def host_array(x):
+  """A jax.Array (or any other array that is not a sequence) as numpy; the rest as it is."""
+  if hasattr(x, "__array__") and not isinstance(x, (str, bytes, Sequence)):
+    return np.asarray(x)
+  return x
+
+
 def token_ids(name, ids, vocab) -> list[int]:
   """A flat sequence of ints in [0, vocab); bools, floats and nesting are refused."""
-  if hasattr(ids, "__array__") and not isinstance(ids, (str, bytes, Sequence)):
-    ids = np.asarray(ids)  # a jax.Array too
+  ids = host_array(ids)
   if (isinstance(ids, (str, bytes)) or not isinstance(ids, (Sequence, np.ndarray))
       or isinstance(ids, np.ndarray) and ids.ndim != 1):
     raise ValueError(f"{name} must be a list of token ids, got {ids!r}")
@@ -55,8 +61,6 @@ def per_row(name, value, batch, kind):
     raise ValueError(f"{name} must be a scalar or one value per prompt ({batch}), "
                      f"got shape {arr.shape}")
   return arr
-
-
 
 
 def utf8(name, text: str) -> bytes:

@@ -162,8 +162,7 @@ def _same(a, b) -> bool:
 
 def check_prompts(prompts, model: Model) -> list[list[int]]:
   """Token-id lists from token-id lists, a 2-D array or strings; ValueError otherwise."""
-  if hasattr(prompts, "__array__") and not isinstance(prompts, (str, bytes, Sequence)):
-    prompts = np.asarray(prompts)  # a jax.Array too
+  prompts = checks.host_array(prompts)
   if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
     prompts = list(prompts)
   if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
@@ -721,9 +720,7 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
       a multiple of dp (the copies are dropped). Same seed, same tokens as one device.
   """
   seed = _check_seed(seed)
-  if mesh is not None:  # before prepare, which may time the pair (gamma_policy='ledger')
-    from specjax.models import sharding
-    mesh = sharding.check_mesh(mesh)
+  mesh = _check_mesh(mesh)
   args = prepare(target, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                  top_k=top_k, top_p=top_p, eos_id=eos_id, stop_sequences=stop_sequences,
                  draft=draft, gamma=gamma, tree=tree,
@@ -739,6 +736,15 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
     from specjax.models import sharding
     args = sharding.distribute(args, mesh)  # its run() returns the caller's rows, on the host
   return _result(target, args.engine, args.run(seed_key(seed)), args.stops)
+
+
+def _check_mesh(mesh):
+  """`sharding.check_mesh` of a mesh given, before `prepare` (which may time the pair,
+  gamma_policy='ledger'); None stays None."""
+  if mesh is None:
+    return None
+  from specjax.models import sharding
+  return sharding.check_mesh(mesh)
 
 
 def _spans(x, start, end):
@@ -957,10 +963,7 @@ def stream(target: Model, prompts, *, rounds_per_chunk: int = 1, seed: int = 0,
   if unknown:
     raise TypeError(f"stream() got unexpected keyword arguments {unknown}; it takes "
                     "generate's and rounds_per_chunk")
-  mesh = kwargs.pop("mesh", None)
-  if mesh is not None:  # before prepare, which may time the pair (gamma_policy='ledger')
-    from specjax.models import sharding
-    mesh = sharding.check_mesh(mesh)
+  mesh = _check_mesh(kwargs.pop("mesh", None))
   defaults = {k: p.default for k, p in params.items()  # generate's, so the two agree
               if p.kind is p.KEYWORD_ONLY and k not in ("seed", "mesh")}
   prepared = prepare(target, prompts, **{**defaults, **kwargs})

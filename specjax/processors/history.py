@@ -303,8 +303,9 @@ def banned(cfg: ProcessorConfig, settings: ProcessorSettings, h: History):
 
 # The largest processor magnitude taken. Past ~1e30 a penalty or bias changes nothing more
 # (it already bans or forces a token), and below it the processed logits stay finite in
-# float32 however they add up (a frequency penalty times a count of up to 2**24, a bias,
-# a logit scaled by the repetition penalty), where a larger value made inf - inf: NaNs.
+# float32 however they add up (a frequency penalty times a count, at most a context's
+# length, far below 1e8; a bias; a logit scaled by the repetition penalty), where a
+# larger value made inf - inf: NaNs (1e38 does, checked).
 PROCESSOR_LIMIT = 1e30
 
 
