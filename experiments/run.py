@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 from pathlib import Path
 
 from absl import app
@@ -201,6 +202,26 @@ def read_rows(path: Path, repair: bool = False) -> list[dict]:
   return rows
 
 
+def _check_writable(workdir: Path) -> None:
+  """Writes and removes a file in `workdir` (permissions, a read-only disk: os.access
+  cannot tell for root), leaving the folders as they were."""
+  missing = [p for p in (workdir, *workdir.parents) if not p.exists()]  # deepest first
+  try:
+    workdir.mkdir(parents=True, exist_ok=True)
+    probe = workdir / f".write_probe.{os.getpid()}"
+    probe.write_bytes(b"")
+    probe.unlink()
+  except OSError as e:
+    raise ValueError(f"--workdir {workdir} cannot be written ({e.strerror or e}): use "
+                     "another --workdir") from None
+  finally:
+    for path in missing:
+      try:
+        path.rmdir()
+      except OSError:
+        break
+
+
 def check_workdir(cfg, workdir: Path) -> None:
   """Refuses a workdir whose rows were measured under other settings: a rerun adds grid
   points to a sweep, so every field outside the grid must be what config.json says.
@@ -213,6 +234,7 @@ def check_workdir(cfg, workdir: Path) -> None:
   for path in (saved_path, results):
     if path.exists() and not path.is_file():
       raise ValueError(f"--workdir {workdir}: {path} is not a file: use another --workdir")
+  _check_writable(workdir)
   rows = read_rows(results)
   if not saved_path.exists():
     if rows:

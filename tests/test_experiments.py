@@ -2,6 +2,7 @@
 bad configs."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -268,7 +269,11 @@ def _dir_named(name):
     (_file_in_the_way, "stdlib", r"--workdir .*afile/run: .*afile is a file, not a directory"),
     (_dir_named("config.json"), "stdlib", r"run/config.json is not a file"),
     (_dir_named("results.jsonl"), "stdlib", r"run/results.jsonl is not a file"),
-], ids=["no-corpus", "empty-corpus", "file-in-the-way", "config-dir", "results-dir"])
+    # No folder can be made in /proc, even as root (for whom os.access says yes).
+    (lambda p: Path("/proc/specjax_sweep/run"), "stdlib",
+     r"--workdir /proc/specjax_sweep/run cannot be written \(No such file"),
+], ids=["no-corpus", "empty-corpus", "file-in-the-way", "config-dir", "results-dir",
+        "unwritable"])
 def test_odd_paths_fail_before_anything_loads(tmp_path, monkeypatch, workdir, corpus, message):
   monkeypatch.setattr(run_lib.common, "load_pair", _no_loading)
   monkeypatch.setattr(run_lib, "load_pretrained", _no_loading)
@@ -276,8 +281,11 @@ def test_odd_paths_fail_before_anything_loads(tmp_path, monkeypatch, workdir, co
   (tmp_path / "empty").mkdir()
   cfg = sweep_config.get_config("smoke")
   cfg.corpus = corpus or str(tmp_path / "empty")
+  workdir = workdir(tmp_path)
+  existed = workdir.exists()
   with pytest.raises(ValueError, match=message):
-    run_lib.run_sweep(cfg, workdir(tmp_path), progress=False)
+    run_lib.run_sweep(cfg, workdir, progress=False)
+  assert workdir.exists() == existed  # the write check leaves no folder behind
 
 
 def test_stop_at_eos_needs_a_target_with_an_eos(tmp_path):
