@@ -43,7 +43,7 @@ def main(argv):
   target, draft = common.load_pair(_TARGET.value, draft_name)
   prompts = common.heldout_prompts(target.tokenizer, "stdlib", _PROMPTS.value,
                                    _PROMPT_TOKENS.value)
-  base = dict(max_new_tokens=_NEW.value, temperature=_TEMPERATURE.value)
+  base = dict(max_new_tokens=_NEW.value, temperature=_TEMPERATURE.value, eos_id=None)
   spec = dict(drafter=drafter, gamma=_GAMMA.value, **(dict(draft=draft) if draft else {}))
   variants = {}
   for item in _VARIANTS.value:

@@ -148,7 +148,8 @@ def audit_shipped(target, draft, prompts, rules, temperature, gamma, length, sam
 def speed_against_exact(target, draft, prompts, rule, temperature, gamma, max_new, pairs,
                         synthetic_alpha) -> dict:
   """Paired timing of `rule` (method) against the exact rule (baseline), same draft and γ."""
-  kw = dict(max_new_tokens=max_new, temperature=temperature, draft=draft, gamma=gamma, seed=0)
+  kw = dict(max_new_tokens=max_new, temperature=temperature, draft=draft, gamma=gamma, seed=0,
+            eos_id=None)
   timing = common.paired_generate(
       target, prompts, 1, pairs,
       method=dict(kw, verify_rule=rule, rule_params=rule_params(rule, gamma, synthetic_alpha)),

@@ -34,7 +34,7 @@ _PEER = flags.DEFINE_enum("peer", None, ["transformers"], "Also time a peer libr
 
 
 def bench_point(target, draft, prompts, gamma, batch, temperature, max_new, pairs):
-  kw = dict(max_new_tokens=max_new, temperature=temperature, seed=0)
+  kw = dict(max_new_tokens=max_new, temperature=temperature, seed=0, eos_id=None)
   timing = common.paired_generate(target, prompts, batch, pairs,
                                   method=dict(kw, draft=draft, gamma=gamma), baseline=kw)
   spec, base = timing["method"], timing["baseline"]

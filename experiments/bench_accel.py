@@ -117,7 +117,7 @@ def stage_shipped(small: bool) -> dict:
   eagle = load_pretrained("stdlib-eagle")
   n_prompts, new = (2, 16) if small else (8, 64)
   prompts = common.heldout_prompts(target.tokenizer, "stdlib", n_prompts, 64)
-  kw = dict(max_new_tokens=new, temperature=0.0, seed=0)
+  kw = dict(max_new_tokens=new, temperature=0.0, seed=0, eos_id=None)
   points = [(1, "model", 4, dict(draft=draft)), (1, "ngram", 4, dict(drafter="ngram")),
             (1, "eagle", 4, dict(draft=eagle)), (8, "model", 4, dict(draft=draft))]
   rows = []

@@ -39,7 +39,7 @@ def main(argv):
                                    _PROMPT_TOKENS.value)
   n = _SAMPLES.value
   kw = dict(max_new_tokens=_NEW.value, temperature=_TEMPERATURE.value, gamma=_GAMMA.value,
-            **(dict(draft=draft) if draft else dict(drafter="ngram")))
+            eos_id=None, **(dict(draft=draft) if draft else dict(drafter="ngram")))
   row = dict(samples=n, prompt_tokens=_PROMPT_TOKENS.value, max_new_tokens=_NEW.value,
              drafter=_DRAFTER.value, gamma=_GAMMA.value, temperature=_TEMPERATURE.value,
              **common.compare_samples(target, prompts, n, kw, _REPEATS.value),

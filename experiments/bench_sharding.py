@@ -82,7 +82,7 @@ def mesh_of(text: str):
 
 def speed(target, draft, prompts):
   kw = dict(max_new_tokens=_MAX_NEW.value, temperature=_TEMPERATURE.value, seed=0,
-            gamma=_GAMMA.value)
+            gamma=_GAMMA.value, eos_id=None)
   batch = prompts[:_BATCH.value]
   out = {}
 

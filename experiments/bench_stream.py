@@ -126,7 +126,7 @@ def main(argv):
   prompts = common.heldout_prompts(target.tokenizer, "stdlib",
                                    _BATCH.value if _TEXT.value else _PROMPTS.value, 64)
   kw = dict(max_new_tokens=_NEW.value, temperature=_TEMPERATURE.value, gamma=_GAMMA.value,
-            seed=0, **(dict(draft=draft) if draft else dict(drafter="ngram")))
+            seed=0, eos_id=None, **(dict(draft=draft) if draft else dict(drafter="ngram")))
   if _TEXT.value:
     rows = text_main(target, prompts, kw)
     if _OUT.value:

@@ -42,7 +42,7 @@ _NEW = flags.DEFINE_integer("max_new_tokens", 64, "New tokens per call.")
 def side_kwargs(side: str) -> tuple[dict, int]:
   """generate's keyword arguments (T = 0) and γ for 'drafter:γ' or 'none'."""
   name, _, gamma = side.partition(":")
-  kw = dict(max_new_tokens=_NEW.value, temperature=0.0)
+  kw = dict(max_new_tokens=_NEW.value, temperature=0.0, eos_id=None)
   if name == "none":
     return kw, 0
   kw.update(drafter=name, gamma=int(gamma or 4))

@@ -130,7 +130,7 @@ def sample_rows(target, draft, prompt, rows: int, length: int, temperature: floa
   and the generate stats merged over the chunks.
   """
   chunk = min(chunk, rows)
-  kw = dict(max_new_tokens=length, temperature=temperature)
+  kw = dict(max_new_tokens=length, temperature=temperature, eos_id=None)
   if rule is not None:
     kw.update(draft=draft, gamma=gamma, verify_rule=rule, rule_params=params)
   out, stats = [], []

@@ -175,7 +175,7 @@ def run_peer_benchmark(target: Model, draft: Model, prompts, *, max_new_tokens: 
 
   def specjax_rows(rows, **kwargs):
     return lambda: [specjax.generate(target, rows_i, max_new_tokens=max_new_tokens,
-                                     temperature=0.0, **kwargs) for rows_i in rows]
+                                     temperature=0.0, eos_id=None, **kwargs) for rows_i in rows]
 
   def transformers_run(assistant: dict | None = None, **kwargs):
     def run():

@@ -336,8 +336,8 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
   named = "the target in models=" if models is not None else f"target {cfg.target!r}"
   if prompts is None and target.tokenizer is None:
     raise ValueError(f"{named} has no tokenizer: prompts come from text")
-  eos_id = getattr(target.tokenizer, "eos_id", None)
-  if cfg.stop_at_eos and eos_id is None:
+  eos_ids = list(getattr(target.tokenizer, "eos_ids", None) or [])
+  if cfg.stop_at_eos and not eos_ids:
     raise ValueError(f"config.stop_at_eos: {named} has no tokenizer with an end-of-text "
                      "token to stop at; set --config.stop_at_eos=False")
   if prompts is None:
@@ -347,7 +347,7 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
     raise ValueError("no prompts")
   context = max(len(p) for p in prompts) + cfg.max_new_tokens // 2
   base = dict(max_new_tokens=cfg.max_new_tokens, top_k=cfg.top_k, seed=cfg.seed,
-              eos_id=eos_id if cfg.stop_at_eos else None)
+              eos_id=eos_ids if cfg.stop_at_eos else None)
   if mesh is not None:
     base["mesh"] = mesh
   batches = -(-len(prompts) // min(cfg.batch_size))

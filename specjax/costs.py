@@ -362,7 +362,7 @@ def round_parts(target, prepared, context: int, repeats: int = 5, rounds: int = 
 
 
 # `specjax.generate`'s defaults for the arguments `prepare` requires.
-GENERATE_DEFAULTS = dict(temperature=0.0, top_k=0, top_p=1.0, eos_id=None)
+GENERATE_DEFAULTS = dict(temperature=0.0, top_k=0, top_p=1.0, eos_id="auto")
 
 
 def _prepare(target, prompts, kwargs: dict):

@@ -436,6 +436,18 @@ def seed_key(seed: int):
   return jax.random.PRNGKey(seed)
 
 
+def _resolve_eos(target: Model, eos_id):
+  """generate's default 'auto' is the target tokenizer's end-of-text ids, where it has a
+  tokenizer (as transformers' generation config and vLLM do); None is no EOS."""
+  if isinstance(eos_id, str):
+    if eos_id != "auto":
+      raise ValueError(f"eos_id must be 'auto' (the tokenizer's), None (no EOS), a token id or "
+                       f"a list of ids, got {eos_id!r}")
+    ids = getattr(target.tokenizer, "eos_ids", None)
+    return list(ids) if ids is not None else getattr(target.tokenizer, "eos_id", None)
+  return eos_id
+
+
 def _eos_ids(eos_id) -> list:
   return [] if eos_id is None else ([eos_id] if np.ndim(eos_id) == 0 else list(eos_id))
 
@@ -521,6 +533,7 @@ def prepare(target: Model, prompts, *, max_new_tokens, temperature, top_k, top_p
     raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k.tolist()}")
   # k >= vocab keeps everything; clipping first keeps huge k from wrapping in int32.
   top_k = np.minimum(top_k, target.config.vocab_size).astype(np.int32)
+  eos_id = _resolve_eos(target, eos_id)
   stop_seqs, stop_lens, stop_strings, given = _stop_table(target, eos_id, stop_sequences)
   stop_text = (stops_lib.tokenizer_table(target.tokenizer, stop_strings, target.config.vocab_size)
                if stop_strings else None)
@@ -595,7 +608,7 @@ def _logprob_args(logprobs, top, prompt, mode, vocab: int):
 
 
 def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.0, top_k=0,
-             top_p=1.0, seed: int = 0, eos_id=None, stop_sequences=None,
+             top_p=1.0, seed: int = 0, eos_id="auto", stop_sequences=None,
              draft: Model | heads_lib.Head | None = None,
              gamma: int | None = None, drafter: str | None = None, tree=None,
              draft_sample: str = "probabilistic", ngram_min: int = 1,
@@ -623,8 +636,10 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
       draft; scalars or one value per prompt. temperature 0 is exact greedy.
     seed: PRNG seed; rows draw independent random numbers from it.
     eos_id: an id (or list of ids) that ends a row; it is emitted, nothing after it.
-      The default None stops at no EOS, not even the tokenizer's (rows run to
-      max_new_tokens, through `<|endoftext|>`): pass `eos_id=target.tokenizer.eos_id`.
+      The default 'auto' is the target tokenizer's `eos_ids` (`<|endoftext|>` for the
+      shipped pair; for a Hugging Face model, the eos_token_id of config.json and
+      generation_config.json, as transformers stops at), or none without a tokenizer.
+      None stops at no EOS (vLLM's ignore_eos): rows run to max_new_tokens.
     stop_sequences: token-id lists, or strings, that end a row once generated; the
       tokens that complete one are emitted, like EOS. A match must lie in the new text.
       A string matches the text however it was split into tokens: the row stops at the

@@ -129,6 +129,31 @@ class AutoregressiveTest(parameterized.TestCase):
     self.assertEqual(as_str.tokens, as_list.tokens)
     self.assertLess(len(as_list.tokens[0]), 24)
 
+  def test_rows_stop_at_the_tokenizers_eos_by_default(self):
+    """eos_id='auto' (the default) is the tokenizer's end-of-text id, as transformers and
+    vLLM stop; None runs to max_new_tokens. A bias makes EOS the first token allowed
+    after min_new_tokens."""
+    target = specjax.load_pretrained("stdlib-target")
+    eos = target.tokenizer.eos_id
+    kw = dict(max_new_tokens=12, min_new_tokens=3, logit_bias={eos: 50.0}, drafter="ngram",
+              gamma=2)
+    res = specjax.generate(target, ["import os", "def f():"], **kw)
+    for tokens in res.tokens:
+      self.assertEqual(tokens[-1], eos)
+      self.assertEqual(len(tokens), 4)
+    self.assertEqual(res.finish_reasons, ["stop", "stop"])
+    self.assertEqual(res.stop_reasons, [eos, eos])
+    chunks = list(specjax.stream(target, ["import os"], **kw))
+    self.assertEqual(sum((c.tokens[0] for c in chunks), []), res.tokens[0])
+    off = specjax.generate(target, ["import os"], eos_id=None, **kw)
+    self.assertEqual(len(off.tokens[0]), 12)
+    self.assertEqual(off.finish_reasons, ["length"])
+    with self.assertRaisesRegex(ValueError, "eos_id must be 'auto'.*got 'eos'"):
+      specjax.generate(target, ["import os"], eos_id="eos")
+    bare = tiny_model(vocab=16)  # no tokenizer: no EOS
+    res = specjax.generate(bare, [[1, 2]], max_new_tokens=5, logit_bias={0: 50.0})
+    self.assertEqual(res.tokens[0], [0] * 5)
+
   def test_texts_need_a_tokenizer(self):
     model = tiny_model(vocab=16)
     with self.assertRaisesRegex(ValueError, "tokenizer"):

@@ -359,6 +359,28 @@ def test_export_writes_tokenizer_and_import_attaches_it(tmp_path):
   assert loaded.tokenizer.eos_id == tokenizer.eos_id
 
 
+def test_every_end_of_text_id_in_the_configs_stops_a_row(tmp_path):
+  """config.json's eos_token_id list and generation_config.json's (Llama 3 lists
+  <|eot_id|> there) all end generation, as in transformers' generate; ids the tokenizer
+  lacks are dropped; an unreadable generation_config.json is named."""
+  tokenizer = Tokenizer.train(["the cat sat on the mat. " * 20, "a dog ran."], vocab_size=270)
+  cfg = EXPORT_CONFIGS["gpt2"][1]
+  model = init_model(ModelConfig(**{**cfg.to_dict(), "vocab_size": tokenizer.vocab_size}), 0)
+  model.tokenizer = tokenizer
+  hf.export_hf(model, tmp_path)
+  _edit_config(tmp_path, eos_token_id=[tokenizer.eos_id, 7, 10**6])
+  (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [9, 7]}))
+  loaded = hf.load_hf_model(tmp_path)
+  assert loaded.tokenizer.eos_id == tokenizer.eos_id
+  assert loaded.tokenizer.eos_ids == (tokenizer.eos_id, 7, 9)
+  res = specjax.generate(loaded, [[1, 2]], max_new_tokens=8, min_new_tokens=2,
+                         logit_bias={9: 60.0})
+  assert len(res.tokens[0]) == 3 and res.tokens[0][-1] == 9 and res.stop_reasons == [9]
+  (tmp_path / "generation_config.json").write_text("{")
+  with pytest.raises(ValueError, match="generation_config.json is unreadable"):
+    hf.load_hf_model(tmp_path)
+
+
 def test_stop_strings_stop_where_transformers_stops(tmp_path):
   """The shipped target exported with its tokenizer: greedy output cut by text stop
   strings (inside a token, spanning tokens, running past a token's end) as transformers'

@@ -81,8 +81,12 @@ def test_hugging_face_style_file_finds_its_eos(tmp_path):
       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
   hf.save(str(tmp_path / "tokenizer.json"))
   tok = Tokenizer.from_file(tmp_path / "tokenizer.json")
-  assert tok.eos_token == "</s>" and tok.eos_id == 1
+  assert tok.eos_token == "</s>" and tok.eos_id == 1 and tok.eos_ids == (1,)
   assert tok.decode(tok.encode(TRICKY)) == TRICKY
+  more = Tokenizer(hf, more_eos_ids=[0, 1, 0])  # a chat model's end-of-turn, say
+  assert more.eos_id == 1 and more.eos_ids == (1, 0)
+  with pytest.raises(ValueError, match=r"end-of-text ids \[300\] are not in the vocabulary"):
+    Tokenizer(hf, more_eos_ids=[300])
 
 
 def test_bad_input(tokenizer, tmp_path):

@@ -180,12 +180,22 @@ def load_tokenizer(directory: Path, hf_config: dict):
     raw = tokenizers.Tokenizer.from_file(str(path))
   except Exception as e:  # the Rust side raises a bare Exception
     raise ValueError(f"cannot read tokenizer file {path}: {e}") from e
-  eos = hf_config.get("eos_token_id")
-  if isinstance(eos, list):
-    eos = eos[0] if eos else None
   # config.json names the end-of-text token; the tokenizer file alone can only guess it.
-  eos_token = raw.id_to_token(eos) if isinstance(eos, int) else None
-  return Tokenizer(raw, eos_token=eos_token)
+  # Chat models list more (Llama 3's <|eot_id|>), here or in generation_config.json,
+  # which is what transformers' generate stops at.
+  ids = _ids(hf_config.get("eos_token_id"))
+  gen_path = directory / "generation_config.json"
+  if gen_path.is_file():
+    ids += _ids(read_config(gen_path).get("eos_token_id"))
+  ids = list(dict.fromkeys(i for i in ids if raw.id_to_token(i) is not None))
+  eos_token = raw.id_to_token(ids[0]) if ids else None
+  return Tokenizer(raw, eos_token=eos_token, more_eos_ids=ids[1:])
+
+
+def _ids(value) -> list[int]:
+  """An eos_token_id entry (an id, a list of ids, or null) as a list of ids."""
+  values = value if isinstance(value, list) else [value]
+  return [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
 
 
 def load_hf_model(path_or_id: str | os.PathLike, dtype=jnp.float32, mesh=None) -> Model:

@@ -25,9 +25,14 @@ _EOS_NAMES = (EOS_TOKEN, "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>", "<|eo
 
 
 class Tokenizer:
-  """str <-> list[int], with `vocab_size` and `eos_id`."""
+  """str <-> list[int], with `vocab_size`, `eos_id` and `eos_ids`.
 
-  def __init__(self, tokenizer: tokenizers.Tokenizer, eos_token: str | None = None):
+  `eos_ids` is every id that ends generation (`generate`'s default eos_id='auto'):
+  `eos_id` first, then `more_eos_ids` (a chat model's end-of-turn token, say).
+  """
+
+  def __init__(self, tokenizer: tokenizers.Tokenizer, eos_token: str | None = None,
+               more_eos_ids: Iterable[int] = ()):
     self._tok = tokenizer
     if eos_token is None:
       eos_token = next((n for n in _EOS_NAMES if tokenizer.token_to_id(n) is not None), None)
@@ -35,6 +40,12 @@ class Tokenizer:
     self.eos_id = None if eos_token is None else tokenizer.token_to_id(eos_token)
     if eos_token is not None and self.eos_id is None:
       raise ValueError(f"end-of-text token {eos_token!r} is not in the vocabulary")
+    more = [int(i) for i in more_eos_ids]
+    unknown = [i for i in more if tokenizer.id_to_token(i) is None]
+    if unknown:
+      raise ValueError(f"end-of-text ids {unknown} are not in the vocabulary")
+    first = [] if self.eos_id is None else [self.eos_id]
+    self.eos_ids = tuple(dict.fromkeys(first + more))
 
   # -- construction ---------------------------------------------------------------
 
