@@ -376,6 +376,10 @@ def test_every_end_of_text_id_in_the_configs_stops_a_row(tmp_path):
   res = specjax.generate(loaded, [[1, 2]], max_new_tokens=8, min_new_tokens=2,
                          logit_bias={9: 60.0})
   assert len(res.tokens[0]) == 3 and res.tokens[0][-1] == 9 and res.stop_reasons == [9]
+  hf.export_hf(loaded, tmp_path / "again")  # all of them in its config.json's list
+  assert json.loads((tmp_path / "again" / "config.json").read_text())["eos_token_id"] == [
+      tokenizer.eos_id, 7, 9]
+  assert hf.load_hf_model(tmp_path / "again").tokenizer.eos_ids == (tokenizer.eos_id, 7, 9)
   (tmp_path / "generation_config.json").write_text("{")
   with pytest.raises(ValueError, match="generation_config.json is unreadable"):
     hf.load_hf_model(tmp_path)

@@ -218,7 +218,7 @@ _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
 
 
 def config_to_hf(cfg: ModelConfig, *, bos_id: int | None = None,
-                 eos_id: int | None = None) -> dict[str, Any]:
+                 eos_id: int | list[int] | None = None) -> dict[str, Any]:
   """The config.json transformers needs to compute `cfg` exactly; ValueError if none can."""
   model_type = export_type(cfg)
   if model_type == "gpt2":

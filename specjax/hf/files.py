@@ -267,10 +267,12 @@ def export_hf(model: Model, out_dir: str | os.PathLike) -> Path:
   cfg = model.config
   export_type(cfg)  # refuse before writing anything
   save_tokenizer = None if model.tokenizer is None else _tokenizer_saver(model.tokenizer)
-  eos_id = getattr(model.tokenizer, "eos_id", None)
-  if eos_id is not None and not 0 <= eos_id < cfg.vocab_size:
-    eos_id = None
-  hf_config = config_to_hf(cfg, bos_id=eos_id, eos_id=eos_id)
+  tok = model.tokenizer
+  eos_ids = [i for i in (getattr(tok, "eos_ids", None) or [getattr(tok, "eos_id", None)])
+             if i is not None and 0 <= i < cfg.vocab_size]
+  eos_id = eos_ids[0] if eos_ids else None
+  # Every id that ends generation, as a list where there are several (Llama 3's style).
+  hf_config = config_to_hf(cfg, bos_id=eos_id, eos_id=eos_id if len(eos_ids) < 2 else eos_ids)
   tensors = params_to_hf(cfg, model.params)
   dtypes = {str(a.dtype) for a in tensors.values()}
   hf_config["torch_dtype"] = dtypes.pop() if len(dtypes) == 1 else "float32"
