@@ -245,6 +245,8 @@ class BadInputTest(parameterized.TestCase):
       ("min_new_negative", dict(min_new_tokens=-2), "min_new_tokens"),
       ("min_new_too_big", dict(min_new_tokens=9), "min_new_tokens"),
       ("bias_id", dict(logit_bias={99: 1.0}), "outside the vocabulary"),
+      ("bias_str_key", dict(logit_bias={"5": 1.0}),
+       r"logit_bias keys must be integer token ids, got '5' \(str\)"),
       ("bias_value", dict(logit_bias={1: float("inf")}), "finite"),
       ("constraint_type", dict(constraint="def .*"), "TokenAutomaton"),
       ("constraint_vocab", dict(constraint=constraints.TokenAutomaton(

@@ -387,7 +387,10 @@ def _bias_table(logit_bias, batch, vocab):
   table = np.zeros((batch, vocab), np.float64)
   for b, d in enumerate(per_row):
     for token, value in d.items():
-      if not checks.is_int(token) or not 0 <= token < vocab:
+      if not checks.is_int(token):  # OpenAI's JSON has string keys: say it is the type
+        raise ValueError(f"logit_bias keys must be integer token ids, got {token!r} "
+                         f"({type(token).__name__})")
+      if not 0 <= token < vocab:
         raise ValueError(f"logit_bias token id {token!r} is outside the vocabulary [0, {vocab})")
       if (not isinstance(value, (int, float, np.number)) or isinstance(value, bool)
           or not abs(value) <= PROCESSOR_LIMIT):  # NaN fails too
