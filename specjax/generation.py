@@ -19,6 +19,7 @@ from specjax.processors import stops as stops_lib
 from specjax import trees
 from specjax import drafters as drafters_lib
 from specjax.models import heads as heads_lib
+from specjax.models import tokenizer as tokenizer_lib
 from specjax import policies
 from specjax.models.model import Model
 from specjax.processors.sampling import Sampling
@@ -122,7 +123,9 @@ class Prepared:
 class GenerateResult:
   tokens: list[list[int]]  # the new tokens of each prompt
   stats: dict[str, Any]
-  texts: list[str] | None = None  # decoded new tokens, when the target has a tokenizer
+  # The new tokens as text, when the target has a tokenizer: special tokens (EOS) and
+  # ids past the tokenizer's table left out, as vLLM's text (`Tokenizer.decode_text`).
+  texts: list[str] | None = None
   # Why each row ended: 'stop' (EOS, a stop sequence or string, a finished constraint,
   # a prefix where the processors ban every token) or 'length' (max_new_tokens).
   finish_reasons: list[str] | None = None
@@ -174,7 +177,7 @@ def check_prompts(prompts, model: Model) -> list[list[int]]:
       if model.tokenizer is None:
         raise ValueError(f"prompt {i} is a string but the target has no tokenizer")
       checks.utf8(f"prompt {i}", prompt)
-      prompt = model.tokenizer.encode(prompt)
+      prompt = tokenizer_lib.encode_prompt(model.tokenizer, prompt)
     prompt = checks.token_ids(f"prompt {i}", prompt, model.config.vocab_size)
     if not prompt:
       raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
@@ -630,11 +633,19 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
   Args:
     target: the model whose distribution the output follows.
     prompts: list of prompts, each a list of token ids (or a string when the target has a
-      tokenizer). Prompts may differ in length.
+      tokenizer, encoded as transformers' tokenizer(text) and vLLM encode a prompt: with
+      the BOS a Llama tokenizer's post-processor adds). Prompts may differ in length: pass
+      them unpadded (a 2-D array is a batch of equal-length prompts, every id a prompt
+      token: there is no attention mask).
     max_new_tokens: budget of new tokens per prompt.
     temperature, top_k, top_p: logits processing, applied identically to target and
       draft; scalars or one value per prompt. temperature 0 is exact greedy.
-    seed: PRNG seed; rows draw independent random numbers from it.
+    seed: PRNG seed for the whole batch; rows draw independent random numbers from it,
+      by their index in the batch (the verify rule folds the row in; a draft step draws
+      all rows at once). So with temperature > 0 a prompt's sample depends on its row
+      and the batch's size, not on the seed alone as a per-request seed in vLLM does;
+      a greedy row's tokens depend on neither (up to the rounding of another batch
+      shape's kernels).
     eos_id: an id (or list of ids) that ends a row; it is emitted, nothing after it.
       The default 'auto' is the target tokenizer's `eos_ids` (`<|endoftext|>` for the
       shipped pair; for a Hugging Face model, the eos_token_id of config.json and
@@ -800,7 +811,7 @@ def _result(target: Model, engine: decode_lib.Engine, state,
   new = _spans(tokens, prompt_len, n)
   texts = None
   if target.tokenizer is not None:
-    texts = [target.tokenizer.decode(t) for t in new]
+    texts = [tokenizer_lib.output_text(target.tokenizer)(t) for t in new]
   stats = dict(stats, lossless=engine.rule.lossless, gamma_policy=engine.policy.kind)
   done = [True] * len(new)
   out = GenerateResult(tokens=new, stats=stats, texts=texts,
@@ -917,7 +928,7 @@ class _TextStream:
   """
 
   def __init__(self, tokenizer):
-    self._decode = tokenizer.decode
+    self._decode = tokenizer_lib.output_text(tokenizer)
     self._ids: list[int] = []
     self._start = 0  # the window: tokens before it are sent and never decoded again
     self._clean = 0  # tokens up to here are sent and end on a whole character

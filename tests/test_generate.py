@@ -143,6 +143,9 @@ class AutoregressiveTest(parameterized.TestCase):
       self.assertEqual(len(tokens), 4)
     self.assertEqual(res.finish_reasons, ["stop", "stop"])
     self.assertEqual(res.stop_reasons, [eos, eos])
+    for tokens, text in zip(res.tokens, res.texts):  # the text leaves <|endoftext|> out
+      self.assertEqual(text, target.tokenizer.decode(tokens[:-1]))
+      self.assertNotIn("<|endoftext|>", text)
     chunks = list(specjax.stream(target, ["import os"], **kw))
     self.assertEqual(sum((c.tokens[0] for c in chunks), []), res.tokens[0])
     off = specjax.generate(target, ["import os"], eos_id=None, **kw)
@@ -362,6 +365,43 @@ def _sentencepiece_like():
   tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
                                    decoders.Fuse(), decoders.Strip(" ", 1, 0)])
   return Tokenizer(tok)
+
+
+def _llama_like():
+  """A WordLevel tokenizer whose post-processor puts <s> before a text, as Llama's and
+  Mistral's files do; 8 ids, <s> and </s> special."""
+  import tokenizers
+  from tokenizers import models, pre_tokenizers, processors
+  from specjax.models.tokenizer import Tokenizer
+  pieces = ["<unk>", "<s>", "</s>", "a", "b", "c", "d", "e"]
+  tok = tokenizers.Tokenizer(models.WordLevel({p: i for i, p in enumerate(pieces)},
+                                              unk_token="<unk>"))
+  tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+  tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[
+      ("<s>", 1)])
+  return Tokenizer(tok)
+
+
+def test_text_in_and_out_as_transformers_and_vllm_give_it():
+  """A string prompt gets the BOS its tokenizer's post-processor adds (transformers'
+  tokenizer(text), vLLM); texts leave out special tokens (vLLM's skip_special_tokens)
+  and ids past the tokenizer's table (a padded embedding: no crash after the work)."""
+  target = tiny_model(vocab=12, n_layers=1, seed=5)  # 4 rows past the tokenizer's 8
+  target.tokenizer = _llama_like()
+  # Row 0 draws a padded id only; row 1 <s> and "a", about evenly.
+  kw = dict(max_new_tokens=8, temperature=1.0, seed=2,
+            logit_bias=[{9: 40.0}, {1: 40.0, 3: 42.5}])
+  res = specjax.generate(target, ["a b c", "b"], **kw)
+  assert res.prompt_tokens == [[1, 3, 4, 5], [1, 4]]
+  assert res.tokens[0] == [9] * 8 and res.texts[0] == ""
+  assert len(res.tokens[1]) == 8 and set(res.tokens[1]) == {1, 3}, res.tokens[1]
+  assert res.texts[1].split() == ["a"] * res.tokens[1].count(3)
+  chunks = list(specjax.stream(target, ["a b c", "b"], **kw))
+  for i in range(2):
+    assert sum((c.tokens[i] for c in chunks), []) == res.tokens[i]
+    assert "".join(c.texts[i] for c in chunks) == res.texts[i]
+  assert specjax.generate(target, [[3, 4, 5]], max_new_tokens=6).prompt_tokens[0] == [3, 4, 5]
 
 
 def test_stream_text_decodes_a_window_not_the_row(stream_pair):

@@ -83,6 +83,19 @@ def test_hugging_face_style_file_finds_its_eos(tmp_path):
   tok = Tokenizer.from_file(tmp_path / "tokenizer.json")
   assert tok.eos_token == "</s>" and tok.eos_id == 1 and tok.eos_ids == (1,)
   assert tok.decode(tok.encode(TRICKY)) == TRICKY
+  # Llama's files put <s> before a text in their post-processor: a prompt gets it (as
+  # transformers' tokenizer(text) does), a piece of text (a stop string) does not.
+  from tokenizers import processors
+  hf.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[
+      ("<s>", 0)])
+  tok = Tokenizer(hf)
+  ids = tok.encode("def f(x):")
+  assert tok.encode_prompt("def f(x):") == [0] + ids and 0 not in ids
+  # Output text leaves special tokens out (vLLM's), and ids past the table (a padded
+  # embedding); decode keeps the former and refuses the latter.
+  assert tok.decode_text([0] + ids + [1, 300, 10**6]) == "def f(x):"
+  assert tok.decode([0] + ids + [1]) == "<s>def f(x):</s>"
+  assert tok.token_bytes()[0] == tok.token_bytes()[1] == b""
   more = Tokenizer(hf, more_eos_ids=[0, 1, 0])  # a chat model's end-of-turn, say
   assert more.eos_id == 1 and more.eos_ids == (1, 0)
   with pytest.raises(ValueError, match=r"end-of-text ids \[300\] are not in the vocabulary"):

@@ -93,9 +93,17 @@ class Tokenizer:
     return self._tok.get_vocab_size(with_added_tokens=True)
 
   def encode(self, text: str) -> list[int]:
+    """The text's ids alone: a piece of text (a stop string, a training document)."""
     if not isinstance(text, str):
       raise ValueError(f"encode expects a str, got {type(text).__name__}")
     return self._tok.encode(text, add_special_tokens=False).ids
+
+  def encode_prompt(self, text: str) -> list[int]:
+    """A prompt's ids, with what the file's post-processor adds around a text (Llama's and
+    Mistral's BOS), as transformers' `tokenizer(text)` and vLLM give them."""
+    if not isinstance(text, str):
+      raise ValueError(f"encode expects a str, got {type(text).__name__}")
+    return self._tok.encode(text, add_special_tokens=True).ids
 
   def encode_batch(self, texts: list[str]) -> list[list[int]]:
     """Like `encode` for many texts at once (parallel on the Rust side)."""
@@ -107,6 +115,14 @@ class Tokenizer:
     if bad:
       raise ValueError(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}")
     return self._tok.decode(ids, skip_special_tokens=False)
+
+  def decode_text(self, ids: Iterable[int]) -> str:
+    """Generated ids as output text, as vLLM writes it: special tokens (end-of-text) left
+    out, and ids past the tokenizer's table (a model's embedding padded beyond it, as
+    Qwen's is) too, as transformers' decode drops them."""
+    ids = [int(i) for i in np.asarray(list(ids)).reshape(-1)]
+    return self._tok.decode([i for i in ids if 0 <= i < self.vocab_size],
+                            skip_special_tokens=True)
 
   def token_byte_lengths(self) -> np.ndarray:
     """int32[V]: bytes each token stands for (0 for special tokens), for bits per byte.
@@ -129,11 +145,12 @@ class Tokenizer:
   def token_bytes(self) -> list[bytes]:
     """The bytes each token adds to a decoded text (stop strings match on these).
 
-    Exact for byte-level BPE. Special tokens add their own name, as `decode` writes them;
-    SentencePiece byte tokens (`<0x0A>`) their byte and its word marker a space.
+    Exact for byte-level BPE. Special tokens add nothing, as `decode_text` leaves them
+    out; other added tokens their own text; SentencePiece byte tokens (`<0x0A>`) their
+    byte and its word marker a space.
     """
     byte_of = {c: b for b, c in _bytes_to_unicode().items()}
-    special = {t.content for t in self._tok.get_added_tokens_decoder().values()}
+    added = {t.content: t.special for t in self._tok.get_added_tokens_decoder().values()}
     vocab = self._tok.get_vocab(with_added_tokens=True)
     # A byte-level vocabulary holds all 256 byte symbols (its initial alphabet); in any
     # other, a character like "é" is itself, not the byte 0xE9.
@@ -141,8 +158,8 @@ class Tokenizer:
     out = [b""] * self.vocab_size
     for token, idx in vocab.items():
       piece = BYTE_PIECE.fullmatch(token)
-      if token in special:
-        out[idx] = token.encode("utf-8")
+      if token in added:
+        out[idx] = b"" if added[token] else token.encode("utf-8")
       elif byte_level and all(c in byte_of for c in token):
         out[idx] = bytes(byte_of[c] for c in token)
       elif piece:
@@ -153,6 +170,18 @@ class Tokenizer:
 
   def __repr__(self):
     return f"Tokenizer(vocab_size={self.vocab_size}, eos={self.eos_token!r})"
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+  """A string prompt's ids: `Tokenizer.encode_prompt` (with the BOS a Llama tokenizer
+  adds), or `encode` for a tokenizer object that has only that."""
+  return getattr(tokenizer, "encode_prompt", tokenizer.encode)(text)
+
+
+def output_text(tokenizer):
+  """ids -> output text: `Tokenizer.decode_text` (no special tokens, as vLLM's text), or
+  `decode` for a tokenizer object that has only that."""
+  return getattr(tokenizer, "decode_text", tokenizer.decode)
 
 
 def _bytes_to_unicode() -> dict[int, str]:

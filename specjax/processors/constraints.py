@@ -17,6 +17,8 @@ import dataclasses
 
 import numpy as np
 
+from specjax.models import tokenizer as tokenizer_lib
+
 DEAD = -1
 
 
@@ -104,7 +106,8 @@ def regex(pattern: str, tokenizer) -> TokenAutomaton:
     return fsm.map.get(state, {}).get(symbol)
 
   vocab = tokenizer.vocab_size
-  texts = [tokenizer.decode([t]) for t in range(vocab)]
+  text_of = tokenizer_lib.output_text(tokenizer)  # special tokens are no text: banned
+  texts = [text_of([t]) for t in range(vocab)]
   table = np.full((len(index), vocab), DEAD, np.int32)
   for state, row in index.items():
     for token, text in enumerate(texts):

@@ -21,6 +21,7 @@ import numpy as np
 
 from specjax import checks
 from specjax.models.tokenizer import BYTE_PIECE
+from specjax.models import tokenizer as tokenizer_lib
 
 
 
@@ -124,7 +125,7 @@ def token_bytes(tokenizer) -> list[bytes]:
   else:
     out = []
     for t in range(tokenizer.vocab_size):
-      text = tokenizer.decode([t])
+      text = tokenizer_lib.output_text(tokenizer)([t])
       byte = BYTE_PIECE.fullmatch(text)
       out.append(bytes([int(byte.group(1), 16)]) if byte else text.encode("utf-8"))
   if cache is not None:
