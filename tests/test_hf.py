@@ -357,6 +357,12 @@ def test_export_writes_tokenizer_and_import_attaches_it(tmp_path):
   loaded = hf.load_hf_model(tmp_path)
   assert loaded.tokenizer.encode("the cat ran") == tokenizer.encode("the cat ran")
   assert loaded.tokenizer.eos_id == tokenizer.eos_id
+  # transformers' AutoTokenizer reads the end-of-text token and decodes as ours does.
+  auto = transformers.AutoTokenizer.from_pretrained(tmp_path)
+  assert auto.eos_token == "<|endoftext|>" and auto.eos_token_id == tokenizer.eos_id
+  text = "the cat , sat . on"
+  assert auto(text)["input_ids"] == tokenizer.encode_prompt(text)
+  assert auto.decode(tokenizer.encode(text)) == text
 
 
 def test_every_end_of_text_id_in_the_configs_stops_a_row(tmp_path):
@@ -501,7 +507,8 @@ def test_export_replaces_only_an_earlier_export(tmp_path):
   with pytest.raises(ValueError, match=r"holds files an export does not write \(model.json, params.npz\)"):
     hf.export_hf(model, tmp_path / "ours")
   assert hf.load_hf_model(hf.export_hf(model, tmp_path / "out")).config == cfg
-  (tmp_path / "out" / "tokenizer.json").write_text("{}")  # as from a model with one
+  for name in ("tokenizer.json", "tokenizer_config.json"):  # as from a model with one
+    (tmp_path / "out" / name).write_text("{}")
   hf.export_hf(model, tmp_path / "out")  # again, a model without: no stale tokenizer
   assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json",
                                                                   "model.safetensors"]

@@ -241,7 +241,7 @@ def _tokenizer_saver(tokenizer):
   return None
 
 
-EXPORTED = ("config.json", "model.safetensors", "tokenizer.json")
+EXPORTED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 
 def export_hf(model: Model, out_dir: str | os.PathLike) -> Path:
@@ -250,7 +250,8 @@ def export_hf(model: Model, out_dir: str | os.PathLike) -> Path:
   GPT-2-style configs become GPT2LMHeadModel, Llama-style ones LlamaForCausalLM (or
   Qwen2ForCausalLM for q/k/v biases without an output bias, Qwen3ForCausalLM for q/k
   norms). Writes config.json, model.safetensors and, when the model has a tokenizer,
-  tokenizer.json. Returns the directory. Raises ValueError for configs no transformers
+  tokenizer.json and tokenizer_config.json (for AutoTokenizer: the end-of-text token).
+  Returns the directory. Raises ValueError for configs no transformers
   architecture computes and for a directory holding files other than an earlier
   export's.
   """
@@ -288,11 +289,21 @@ def export_hf(model: Model, out_dir: str | os.PathLike) -> Path:
     raise ValueError(f"export_hf: {out} holds files an export does not write ({', '.join(others)}); "
                      "export into a new or empty directory")
   out.mkdir(parents=True, exist_ok=True)
-  if save_tokenizer is None and (out / "tokenizer.json").is_file():
-    (out / "tokenizer.json").unlink()  # an earlier export's: this model has none
+  for name in ("tokenizer.json", "tokenizer_config.json"):
+    if save_tokenizer is None and (out / name).is_file():
+      (out / name).unlink()  # an earlier export's: this model has none
   (out / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
   # transformers refuses safetensors files without format metadata.
   save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
   if save_tokenizer is not None:
     save_tokenizer(out / "tokenizer.json")
+    # What AutoTokenizer needs beyond tokenizer.json: its end-of-text token (else None),
+    # and decode as ours does (no cleanup of spaces before punctuation).
+    eos_token = getattr(model.tokenizer, "eos_token", None) if eos_id is not None else None
+    tok_config = dict(tokenizer_class="PreTrainedTokenizerFast", model_max_length=cfg.max_len,
+                      clean_up_tokenization_spaces=False)
+    if eos_token is not None:
+      tok_config.update(eos_token=eos_token, bos_token=eos_token)
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(tok_config, indent=2, sort_keys=True) + "\n")
   return out
