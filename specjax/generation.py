@@ -811,7 +811,8 @@ def _result(target: Model, engine: decode_lib.Engine, state,
   new = _spans(tokens, prompt_len, n)
   texts = None
   if target.tokenizer is not None:
-    texts = [tokenizer_lib.output_text(target.tokenizer)(t) for t in new]
+    text_of = tokenizer_lib.output_text(target.tokenizer)
+    texts = [text_of(t) for t in new]
   stats = dict(stats, lossless=engine.rule.lossless, gamma_policy=engine.policy.kind)
   done = [True] * len(new)
   out = GenerateResult(tokens=new, stats=stats, texts=texts,

@@ -267,8 +267,8 @@ def export_hf(model: Model, out_dir: str | os.PathLike) -> Path:
     model = sharding.unshard(model)  # the usual q|k|v and gate|up layout again
   cfg = model.config
   export_type(cfg)  # refuse before writing anything
-  save_tokenizer = None if model.tokenizer is None else _tokenizer_saver(model.tokenizer)
   tok = model.tokenizer
+  save_tokenizer = None if tok is None else _tokenizer_saver(tok)
   eos_ids = [i for i in (getattr(tok, "eos_ids", None) or [getattr(tok, "eos_id", None)])
              if i is not None and 0 <= i < cfg.vocab_size]
   eos_id = eos_ids[0] if eos_ids else None
@@ -299,7 +299,7 @@ def export_hf(model: Model, out_dir: str | os.PathLike) -> Path:
     save_tokenizer(out / "tokenizer.json")
     # What AutoTokenizer needs beyond tokenizer.json: its end-of-text token (else None),
     # and decode as ours does (no cleanup of spaces before punctuation).
-    eos_token = getattr(model.tokenizer, "eos_token", None) if eos_id is not None else None
+    eos_token = getattr(tok, "eos_token", None) if eos_id is not None else None
     tok_config = dict(tokenizer_class="PreTrainedTokenizerFast", model_max_length=cfg.max_len,
                       clean_up_tokenization_spaces=False)
     if eos_token is not None:

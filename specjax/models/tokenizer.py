@@ -92,18 +92,16 @@ class Tokenizer:
   def vocab_size(self) -> int:
     return self._tok.get_vocab_size(with_added_tokens=True)
 
-  def encode(self, text: str) -> list[int]:
+  def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
     """The text's ids alone: a piece of text (a stop string, a training document)."""
     if not isinstance(text, str):
       raise ValueError(f"encode expects a str, got {type(text).__name__}")
-    return self._tok.encode(text, add_special_tokens=False).ids
+    return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
   def encode_prompt(self, text: str) -> list[int]:
     """A prompt's ids, with what the file's post-processor adds around a text (Llama's and
     Mistral's BOS), as transformers' `tokenizer(text)` and vLLM give them."""
-    if not isinstance(text, str):
-      raise ValueError(f"encode expects a str, got {type(text).__name__}")
-    return self._tok.encode(text, add_special_tokens=True).ids
+    return self.encode(text, add_special_tokens=True)
 
   def encode_batch(self, texts: list[str]) -> list[list[int]]:
     """Like `encode` for many texts at once (parallel on the Rust side)."""
