@@ -336,10 +336,10 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
   named = "the target in models=" if models is not None else f"target {cfg.target!r}"
   if prompts is None and target.tokenizer is None:
     raise ValueError(f"{named} has no tokenizer: prompts come from text")
-  eos_ids = list(getattr(target.tokenizer, "eos_ids", None) or [])
+  eos_ids = list(target.eos_ids or [])
   if cfg.stop_at_eos and not eos_ids:
-    raise ValueError(f"config.stop_at_eos: {named} has no tokenizer with an end-of-text "
-                     "token to stop at; set --config.stop_at_eos=False")
+    raise ValueError(f"config.stop_at_eos: {named} names no end-of-text token to stop at; "
+                     "set --config.stop_at_eos=False")
   if prompts is None:
     prompts = common.heldout_prompts(target.tokenizer, corpus, cfg.num_prompts,
                                      cfg.prompt_tokens, seed=cfg.seed)

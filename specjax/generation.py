@@ -440,14 +440,13 @@ def seed_key(seed: int):
 
 
 def _resolve_eos(target: Model, eos_id):
-  """generate's default 'auto' is the target tokenizer's end-of-text ids, where it has a
-  tokenizer (as transformers' generation config and vLLM do); None is no EOS."""
+  """generate's default 'auto' is the target's end-of-text ids (its tokenizer's, or its
+  config's without one, as transformers' generation config and vLLM stop); None is no EOS."""
   if isinstance(eos_id, str):
     if eos_id != "auto":
       raise ValueError(f"eos_id must be 'auto' (the tokenizer's), None (no EOS), a token id or "
                        f"a list of ids, got {eos_id!r}")
-    ids = getattr(target.tokenizer, "eos_ids", None)
-    return list(ids) if ids is not None else getattr(target.tokenizer, "eos_id", None)
+    return target.eos_ids
   return eos_id
 
 
@@ -647,9 +646,10 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
       a greedy row's tokens depend on neither (up to the rounding of another batch
       shape's kernels).
     eos_id: an id (or list of ids) that ends a row; it is emitted, nothing after it.
-      The default 'auto' is the target tokenizer's `eos_ids` (`<|endoftext|>` for the
-      shipped pair; for a Hugging Face model, the eos_token_id of config.json and
-      generation_config.json, as transformers stops at), or none without a tokenizer.
+      The default 'auto' is the target's `eos_ids` (`<|endoftext|>` for the shipped
+      pair; for a Hugging Face model, the eos_token_id of config.json and
+      generation_config.json, as transformers stops at, with or without tokenizer.json),
+      or none for a model that names none.
       None stops at no EOS (vLLM's ignore_eos): rows run to max_new_tokens.
     stop_sequences: token-id lists, or strings, that end a row once generated; the
       tokens that complete one are emitted, like EOS. A match must lie in the new text.

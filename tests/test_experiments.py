@@ -292,8 +292,8 @@ def test_stop_at_eos_needs_a_target_with_an_eos(tmp_path):
   cfg = sweep_config.get_config("smoke")
   cfg.update(drafter=("ngram",), trees=(), stop_at_eos=True)
   target = tiny_model(vocab=16, n_layers=2, seed=3)  # no tokenizer
-  with pytest.raises(ValueError, match=r"config.stop_at_eos: the target in models= has no "
-                                       r"tokenizer.*stop_at_eos=False"):
+  with pytest.raises(ValueError, match=r"config.stop_at_eos: the target in models= names no "
+                                       r"end-of-text token.*stop_at_eos=False"):
     run_lib.run_sweep(cfg, tmp_path, progress=False, models=(target, None),
                       prompts=[[1, 2, 3]])
   assert not (tmp_path / "config.json").exists()

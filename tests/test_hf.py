@@ -386,6 +386,18 @@ def test_every_end_of_text_id_in_the_configs_stops_a_row(tmp_path):
   assert json.loads((tmp_path / "again" / "config.json").read_text())["eos_token_id"] == [
       tokenizer.eos_id, 7, 9]
   assert hf.load_hf_model(tmp_path / "again").tokenizer.eos_ids == (tokenizer.eos_id, 7, 9)
+  # Without tokenizer.json (a sentencepiece-only repository) token-id prompts stop there too,
+  # and an export keeps the list; ids past the vocabulary are dropped.
+  (tmp_path / "tokenizer.json").unlink()
+  bare = hf.load_hf_model(tmp_path)
+  assert bare.tokenizer is None and bare.eos_ids == [tokenizer.eos_id, 7, 9]
+  res = specjax.generate(bare, [[1, 2]], max_new_tokens=8, min_new_tokens=2,
+                         logit_bias={9: 60.0})
+  assert len(res.tokens[0]) == 3 and res.stop_reasons == [9]
+  assert specjax.shard(bare, jax.make_mesh((1, 1), ("data", "model"))).eos_ids == bare.eos_ids
+  assert specjax.quantize(bare).eos_ids == bare.eos_ids
+  hf.export_hf(bare, tmp_path / "bare")
+  assert hf.load_hf_model(tmp_path / "bare").eos_ids == [tokenizer.eos_id, 7, 9]
   (tmp_path / "generation_config.json").write_text("{")
   with pytest.raises(ValueError, match="generation_config.json is unreadable"):
     hf.load_hf_model(tmp_path)

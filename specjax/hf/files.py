@@ -169,6 +169,17 @@ def resolve(path_or_id: str | os.PathLike) -> Path:
   return local
 
 
+def eos_ids(directory: Path, hf_config: dict) -> list[int]:
+  """The ids that end text, as transformers' generate stops: config.json names the
+  end-of-text token (the tokenizer file alone can only guess it), and chat models list
+  more (Llama 3's <|eot_id|>) there or in generation_config.json."""
+  ids = _ids(hf_config.get("eos_token_id"))
+  gen_path = directory / "generation_config.json"
+  if gen_path.is_file():
+    ids += _ids(read_config(gen_path).get("eos_token_id"))
+  return list(dict.fromkeys(ids))
+
+
 def load_tokenizer(directory: Path, hf_config: dict):
   """The directory's tokenizer.json as a specjax Tokenizer, ending text where config.json says."""
   path = directory / "tokenizer.json"
@@ -180,14 +191,7 @@ def load_tokenizer(directory: Path, hf_config: dict):
     raw = tokenizers.Tokenizer.from_file(str(path))
   except Exception as e:  # the Rust side raises a bare Exception
     raise ValueError(f"cannot read tokenizer file {path}: {e}") from e
-  # config.json names the end-of-text token; the tokenizer file alone can only guess it.
-  # Chat models list more (Llama 3's <|eot_id|>), here or in generation_config.json,
-  # which is what transformers' generate stops at.
-  ids = _ids(hf_config.get("eos_token_id"))
-  gen_path = directory / "generation_config.json"
-  if gen_path.is_file():
-    ids += _ids(read_config(gen_path).get("eos_token_id"))
-  ids = list(dict.fromkeys(i for i in ids if raw.id_to_token(i) is not None))
+  ids = [i for i in eos_ids(directory, hf_config) if raw.id_to_token(i) is not None]
   eos_token = raw.id_to_token(ids[0]) if ids else None
   return Tokenizer(raw, eos_token=eos_token, more_eos_ids=ids[1:])
 
@@ -225,7 +229,12 @@ def load_hf_model(path_or_id: str | os.PathLike, dtype=jnp.float32, mesh=None) -
   tensors = CheckpointTensors(directory)
   params = params_from_hf(cfg, hf_config["model_type"], tensors, dt, where=str(directory),
                           host=mesh is not None)
-  model = Model(cfg, params, load_tokenizer(directory, hf_config))
+  tokenizer = load_tokenizer(directory, hf_config)
+  # Without tokenizer.json (a sentencepiece-only repository) token-id prompts still stop
+  # where transformers would.
+  eos = None if tokenizer is not None else [
+      i for i in eos_ids(directory, hf_config) if i < cfg.vocab_size]
+  model = Model(cfg, params, tokenizer, eos_ids=eos)
   if mesh is not None:
     from specjax.models import sharding
     model = sharding.shard(model, mesh)
@@ -269,11 +278,10 @@ def export_hf(model: Model, out_dir: str | os.PathLike) -> Path:
   export_type(cfg)  # refuse before writing anything
   tok = model.tokenizer
   save_tokenizer = None if tok is None else _tokenizer_saver(tok)
-  eos_ids = [i for i in (getattr(tok, "eos_ids", None) or [getattr(tok, "eos_id", None)])
-             if i is not None and 0 <= i < cfg.vocab_size]
-  eos_id = eos_ids[0] if eos_ids else None
+  ends = [i for i in (model.eos_ids or []) if 0 <= i < cfg.vocab_size]
+  eos_id = ends[0] if ends else None
   # Every id that ends generation, as a list where there are several (Llama 3's style).
-  hf_config = config_to_hf(cfg, bos_id=eos_id, eos_id=eos_id if len(eos_ids) < 2 else eos_ids)
+  hf_config = config_to_hf(cfg, bos_id=eos_id, eos_id=eos_id if len(ends) < 2 else ends)
   tensors = params_to_hf(cfg, model.params)
   dtypes = {str(a.dtype) for a in tensors.values()}
   hf_config["torch_dtype"] = dtypes.pop() if len(dtypes) == 1 else "float32"

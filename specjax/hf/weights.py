@@ -238,4 +238,4 @@ def pad_vocab(model: Model, vocab_size: int) -> Model:
   if not cfg.tie_embeddings:
     params["lm_head"]["kernel"] = jnp.pad(params["lm_head"]["kernel"], ((0, 0), (0, extra)))
   new_cfg = dataclasses.replace(cfg, vocab_size=vocab_size)
-  return Model(new_cfg, params, model.tokenizer)
+  return model.with_params(params, new_cfg)

@@ -485,12 +485,24 @@ class Model:
   purpose: jitted code receives `graphdef` (static) and `params`.
   """
 
-  def __init__(self, config: ModelConfig, params: Params, tokenizer=None):
+  def __init__(self, config: ModelConfig, params: Params, tokenizer=None, eos_ids=None):
     if not isinstance(config, ModelConfig):
       raise ValueError(f"Model needs a ModelConfig, got {type(config).__name__}")
     self.config = config
     self.params = params
     self.tokenizer = tokenizer
+    self._eos_ids = None if eos_ids is None else [int(i) for i in eos_ids]
+
+  @property
+  def eos_ids(self) -> list[int] | None:
+    """The ids that end text: the tokenizer's, or, for a model without one, those its
+    files name (a Hugging Face config.json beside no tokenizer.json); None if neither."""
+    if self.tokenizer is not None:
+      ids = getattr(self.tokenizer, "eos_ids", None)
+      if ids is None and getattr(self.tokenizer, "eos_id", None) is not None:
+        ids = [self.tokenizer.eos_id]
+      return None if ids is None else list(ids)
+    return None if self._eos_ids is None else list(self._eos_ids)
 
   @property
   def graphdef(self):
@@ -509,8 +521,10 @@ class Model:
       raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_len={self.config.max_len}")
     return forward_jit(self.graphdef, self.params, tokens)
 
-  def with_params(self, params: Params) -> "Model":
-    return Model(self.config, params, self.tokenizer)
+  def with_params(self, params: Params, config: ModelConfig | None = None) -> "Model":
+    """This model (its tokenizer and end-of-text ids) with other parameters, and another
+    config where the parameters' layout or shapes changed."""
+    return Model(config or self.config, params, self.tokenizer, eos_ids=self._eos_ids)
 
   def __repr__(self):
     return f"Model({self.config}, params={self.num_params:,})"

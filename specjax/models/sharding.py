@@ -130,7 +130,7 @@ def shard(model: Model, mesh) -> Model:
   cfg = layout_config(model.config, tp)
   params = regroup(model.params, model.config, cfg)
   params = _place(params, param_specs(cfg, params, tp), mesh)
-  return Model(cfg, params, model.tokenizer)
+  return model.with_params(params, cfg)
 
 
 def replicate(model: Model, mesh) -> Model:
@@ -144,7 +144,7 @@ def unshard(model: Model) -> Model:
   """The usual layout again (one group; repeated KV heads are kept), on the host."""
   cfg = dataclasses.replace(model.config, qkv_groups=1, mlp_groups=1)
   params = jax.tree_util.tree_map(host, regroup(model.params, model.config, cfg))
-  return Model(cfg, params, model.tokenizer)
+  return model.with_params(params, cfg)
 
 
 # ----------------------------------------------------------------------------
