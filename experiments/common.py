@@ -18,6 +18,7 @@ from specjax import decode as decode_lib
 from specjax.training import data as data_lib
 from specjax import generation
 from specjax.models import heads as heads_lib
+from specjax.models import tokenizer as tokenizer_lib
 from specjax.models.pretrained import load_pretrained, read_config
 
 
@@ -65,19 +66,26 @@ def load_pair(target_name: str, draft_name: str | None, dtype=jnp.float32):
 def heldout_prompts(tokenizer, corpus: str | data_lib.Corpus, num_prompts: int,
                     prompt_tokens: int, seed: int = 0) -> list[list[int]]:
   """`num_prompts` windows of `prompt_tokens` tokens from distinct held-out documents of
-  `corpus` (a source `load_corpus` takes, or a corpus it returned)."""
+  `corpus` (a source `load_corpus` takes, or a corpus it returned). Each starts with what
+  the tokenizer's post-processor puts before a prompt (a Llama tokenizer's BOS, counted
+  in `prompt_tokens`), as the model's training text did."""
   if isinstance(corpus, data_lib.Corpus):
     texts, corpus = corpus.read("heldout"), str(corpus.root)
   else:
     texts = data_lib.load_corpus(corpus).read("heldout")
+  prefix = tokenizer_lib.prompt_prefix(tokenizer)
+  window = prompt_tokens - len(prefix)
+  if window < 1:
+    raise ValueError(f"prompt_tokens={prompt_tokens} leaves no room for text after the "
+                     f"tokenizer's {len(prefix)} prompt prefix ids")
   rng = np.random.default_rng(seed)
   prompts = []
   for i in rng.permutation(len(texts)):
     ids = tokenizer.encode(texts[i])
-    if len(ids) < prompt_tokens + 1:
+    if len(ids) < window + 1:
       continue
-    start = int(rng.integers(0, len(ids) - prompt_tokens))
-    prompts.append(ids[start:start + prompt_tokens])
+    start = int(rng.integers(0, len(ids) - window))
+    prompts.append(prefix + ids[start:start + window])
     if len(prompts) == num_prompts:
       return prompts
   if not prompts:

@@ -15,6 +15,7 @@ import urllib.request
 from collections import defaultdict
 
 from specjax import checks
+from specjax.models import tokenizer as tokenizer_lib
 
 SPEC_BENCH_URL = ("https://raw.githubusercontent.com/hemingkx/Spec-Bench/main/data/"
                   "spec_bench/question.jsonl")
@@ -116,9 +117,12 @@ def select(questions: list[dict], tokenizer, template: str, n: int, max_tokens: 
   if template not in TEMPLATES:
     raise ValueError(f"unknown template {template!r}; known: {sorted(TEMPLATES)}")
   buckets = defaultdict(list)
+  prefix = tokenizer_lib.prompt_prefix(tokenizer)  # a Llama tokenizer's BOS
   for q in questions:
     text = TEMPLATES[template].format(q=q["text"])
-    ids = tokenizer.encode(text)
+    ids = list(tokenizer.encode(text))
+    if ids[:len(prefix)] != prefix:  # one BOS: Llama 3's templates write their own
+      ids = prefix + ids
     if 0 < len(ids) <= max_tokens:
       buckets[checks.round_up(len(ids), width)].append(dict(q, prompt=text, ids=ids))
   if not buckets:

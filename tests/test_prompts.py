@@ -79,3 +79,47 @@ def test_every_pair_has_a_template():
   for variant in (*sweep.HUB_PAIRS, "gpt2"):
     assert prompts.PAIR_TEMPLATES[variant] in prompts.TEMPLATES
   assert all("{q}" in t for t in prompts.TEMPLATES.values())
+
+
+def _bos_tokenizer(tmp_path, bos: bool):
+  """A byte-level BPE tokenizer; with `bos`, its post-processor puts <s> before a text,
+  as Llama's and Mistral's files do."""
+  from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+  from tokenizers import processors, trainers
+  from specjax.models.tokenizer import Tokenizer
+  hf = HFTokenizer(models.BPE())
+  hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  hf.decoder = decoders.ByteLevel()
+  hf.train_from_iterator(["the cat sat on the mat\n"] * 10, trainers.BpeTrainer(
+      vocab_size=280, special_tokens=["<s>", "</s>"],
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  if bos:
+    hf.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[
+        ("<s>", 0)])
+  return Tokenizer(hf)
+
+
+@pytest.mark.parametrize("bos", [False, True])
+def test_prompts_start_as_the_tokenizer_starts_a_text(tmp_path, monkeypatch, bos):
+  """A Llama tokenizer's BOS (from its post-processor) begins every prompt, held-out
+  windows cut from inside a document (counted in their length) and templated questions,
+  as its training text and transformers' tokenizer(text) begin; a GPT-2 style one adds
+  nothing."""
+  from experiments import common
+  tok = _bos_tokenizer(tmp_path, bos)
+  corpus = tmp_path / "corpus.txt"
+  corpus.write_text("".join(f"line {i}: the cat sat on the mat\n" for i in range(400)))
+  windows = common.heldout_prompts(tok, str(corpus), 3, 12)
+  assert [len(w) for w in windows] == [12] * 3
+  for w in windows:
+    assert (w[0] == 0) == bos and 0 not in w[1:]
+  ids, _ = prompts.select([{"id": 1, "category": "x", "text": "the cat"}], tok, "plain", 1,
+                          max_tokens=50)
+  assert ids[0] == [0] * bos + tok.encode(prompts.TEMPLATES["plain"].format(q="the cat"))
+  # A template that writes the BOS itself (Llama 3's) keeps one, as chat templates do.
+  monkeypatch.setitem(prompts.TEMPLATES, "own_bos", "<s>Q: {q}")
+  ids, _ = prompts.select([{"id": 1, "category": "x", "text": "the cat"}], tok, "own_bos", 1,
+                          max_tokens=50)
+  assert ids[0] == tok.encode("<s>Q: the cat") and ids[0].count(0) == 1
+  with pytest.raises(ValueError, match="no room for text"):
+    common.heldout_prompts(tok, str(corpus), 1, 1 if bos else 0)

@@ -176,6 +176,18 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
   return getattr(tokenizer, "encode_prompt", tokenizer.encode)(text)
 
 
+def prompt_prefix(tokenizer) -> list[int]:
+  """The ids a tokenizer's post-processor puts before a prompt's text (Llama's and
+  Mistral's BOS; none for GPT-2's): what a prompt cut from inside a document needs to
+  start as the model's training text did."""
+  probe = "a"
+  full, plain = encode_prompt(tokenizer, probe), list(tokenizer.encode(probe))
+  for k in range(len(full) - len(plain) + 1):
+    if full[k:k + len(plain)] == plain:
+      return list(full[:k])
+  return []
+
+
 def output_text(tokenizer):
   """ids -> output text: `Tokenizer.decode_text` (no special tokens, as vLLM's text), or
   `decode` for a tokenizer object that has only that."""
