@@ -54,7 +54,7 @@ def main(argv):
         shape = dict(tree=tree) if tree else dict(gamma=depth)
         stats = specjax.generate(target, prompts, max_new_tokens=_NEW.value, draft=draft,
                                  temperature=temperature, draft_sample="probabilistic",
-                                 seed=seed, **shape).stats
+                                 seed=seed, eos_id=None, **shape).stats  # fixed budget
         calls.append(stats["tokens_per_target_call"])
         alphas.append(stats["alpha_hat"])
         by_rank.append(stats["alpha_by_sibling"])
