@@ -363,6 +363,58 @@ def test_export_writes_tokenizer_and_import_attaches_it(tmp_path):
   text = "the cat , sat . on"
   assert auto(text)["input_ids"] == tokenizer.encode_prompt(text)
   assert auto.decode(tokenizer.encode(text)) == text
+  assert config["bos_token_id"] == tokenizer.eos_id  # GPT-2's files name EOS for BOS
+
+
+def _llama_style_tokenizer(extra_special=()):
+  """A byte-level BPE whose post-processor puts <s> (id 1) first; </s> (id 2) ends text."""
+  from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+  from tokenizers import processors, trainers
+  raw = HFTokenizer(models.BPE())
+  raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  raw.decoder = decoders.ByteLevel()
+  raw.train_from_iterator(["def f(x):\n    return x\n"] * 10, trainers.BpeTrainer(
+      vocab_size=280, special_tokens=["<unk>", "<s>", "</s>"],
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  raw.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[
+      ("<s>", 1)])
+  size = raw.get_vocab_size()
+  raw.add_special_tokens(list(extra_special))
+  return Tokenizer(raw, eos_token="</s>"), size
+
+
+def test_export_names_a_llama_tokenizers_bos(tmp_path):
+  """A tokenizer whose post-processor puts <s> first exports <s> as its BOS (config.json
+  and tokenizer_config.json), not its EOS: transformers' AutoTokenizer agrees with the ids
+  it encodes."""
+  tokenizer, size = _llama_style_tokenizer()
+  model = init_model(ModelConfig.llama(vocab_size=size, d_model=16, n_layers=1, n_heads=2,
+                                       max_len=32), 0)
+  model.tokenizer = tokenizer
+  hf.export_hf(model, tmp_path)
+  config = json.loads((tmp_path / "config.json").read_text())
+  assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)
+  auto = transformers.AutoTokenizer.from_pretrained(tmp_path)
+  assert (auto.bos_token, auto.bos_token_id, auto.eos_token) == ("<s>", 1, "</s>")
+  assert auto("def f")["input_ids"] == tokenizer.encode_prompt("def f") == [1] + \
+      tokenizer.encode("def f")
+
+
+def test_end_of_text_ids_past_the_embedding_are_left_out(tmp_path):
+  """A tokenizer larger than its model (an end-of-turn token added past the embedding)
+  whose end-of-text list names the extra id: the model can never emit it, so the default
+  eos_id='auto' stops at the rest instead of refusing an id the caller never passed."""
+  tokenizer, size = _llama_style_tokenizer(["<|eot|>"])
+  model = init_model(ModelConfig.llama(vocab_size=size, d_model=16, n_layers=1, n_heads=2,
+                                       max_len=32), 0)
+  model.tokenizer = tokenizer
+  hf.export_hf(model, tmp_path)
+  (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, size]}))
+  loaded = hf.load_hf_model(tmp_path)
+  assert loaded.tokenizer.eos_ids == (2, size) and loaded.eos_ids == [2]
+  res = specjax.generate(loaded, ["def"], max_new_tokens=6, min_new_tokens=2,
+                         logit_bias={2: 60.0})
+  assert res.tokens[0][-1] == 2 and len(res.tokens[0]) == 3
 
 
 def test_every_end_of_text_id_in_the_configs_stops_a_row(tmp_path):

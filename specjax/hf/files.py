@@ -16,6 +16,7 @@ import numpy as np
 
 from specjax.hf.config import config_from_hf, config_to_hf, export_type
 from specjax.hf.weights import params_from_hf, params_to_hf
+from specjax.models import tokenizer as tokenizer_lib
 from specjax.models.model import Model, float_dtype
 from specjax.models.pretrained import looks_like_hub_id
 
@@ -232,8 +233,7 @@ def load_hf_model(path_or_id: str | os.PathLike, dtype=jnp.float32, mesh=None) -
   tokenizer = load_tokenizer(directory, hf_config)
   # Without tokenizer.json (a sentencepiece-only repository) token-id prompts still stop
   # where transformers would.
-  eos = None if tokenizer is not None else [
-      i for i in eos_ids(directory, hf_config) if i < cfg.vocab_size]
+  eos = None if tokenizer is not None else eos_ids(directory, hf_config)
   model = Model(cfg, params, tokenizer, eos_ids=eos)
   if mesh is not None:
     from specjax.models import sharding
@@ -278,10 +278,13 @@ def export_hf(model: Model, out_dir: str | os.PathLike) -> Path:
   export_type(cfg)  # refuse before writing anything
   tok = model.tokenizer
   save_tokenizer = None if tok is None else _tokenizer_saver(tok)
-  ends = [i for i in (model.eos_ids or []) if 0 <= i < cfg.vocab_size]
+  ends = model.eos_ids or []
   eos_id = ends[0] if ends else None
+  # The BOS a Llama tokenizer's post-processor puts first; GPT-2's files name EOS for it.
+  prefix = tokenizer_lib.prompt_prefix(tok) if hasattr(tok, "encode_prompt") else []
+  bos_id = prefix[0] if len(prefix) == 1 and prefix[0] < cfg.vocab_size else eos_id
   # Every id that ends generation, as a list where there are several (Llama 3's style).
-  hf_config = config_to_hf(cfg, bos_id=eos_id, eos_id=eos_id if len(ends) < 2 else ends)
+  hf_config = config_to_hf(cfg, bos_id=bos_id, eos_id=eos_id if len(ends) < 2 else ends)
   tensors = params_to_hf(cfg, model.params)
   dtypes = {str(a.dtype) for a in tensors.values()}
   hf_config["torch_dtype"] = dtypes.pop() if len(dtypes) == 1 else "float32"
@@ -312,6 +315,8 @@ def export_hf(model: Model, out_dir: str | os.PathLike) -> Path:
                       clean_up_tokenization_spaces=False)
     if eos_token is not None:
       tok_config.update(eos_token=eos_token, bos_token=eos_token)
+    if bos_id is not None and bos_id != eos_id:
+      tok_config["bos_token"] = tok.decode([bos_id])
     (out / "tokenizer_config.json").write_text(
         json.dumps(tok_config, indent=2, sort_keys=True) + "\n")
   return out
