@@ -687,8 +687,9 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
     repetition_penalty: Hugging Face/CTRL rule over prompt + generated tokens (1 = off).
     presence_penalty, frequency_penalty: OpenAI rule over generated tokens (0 = off).
     no_repeat_ngram_size: bans a token that would repeat an n-gram of prompt + generated.
-    min_new_tokens: EOS and the first token of every token-id stop sequence are banned
-      before this; a stop string completed before it does not count.
+    min_new_tokens: EOS and one-token stop sequences are banned before this (vLLM's
+      min_tokens); a longer stop sequence or a stop string completed before it does not
+      count, and its tokens are not banned.
     logit_bias: {token_id: bias} (or one dict per prompt) added to the raw logits.
     constraint: a `specjax.constraints.TokenAutomaton` (e.g. `constraints.regex(...)`):
       tokens leaving its language are masked; EOS only where it accepts; a row whose

@@ -68,7 +68,7 @@ class ProcessorSettings:
   no_repeat_ngram: jax.Array  # int32[B]
   min_new: jax.Array  # int32[B]
   logit_bias: jax.Array  # float32[B, V] (or [B, 0] when off)
-  banned_early: jax.Array  # bool[V]: EOS ids and first stop tokens, banned before min_new
+  banned_early: jax.Array  # bool[V]: EOS ids and one-token stops, banned before min_new
   fsm_next: jax.Array  # int32[Q, V] next state (DEAD: leaves the language)
   fsm_accept: jax.Array  # bool[Q]
   fsm_start: jax.Array  # int32 scalar
@@ -353,8 +353,8 @@ def settings_from_args(batch, vocab, max_new_tokens, stop_seqs, stop_lens, eos_i
   early = np.zeros(vocab, bool)
   stop_seqs, stop_lens = np.asarray(stop_seqs), np.asarray(stop_lens)
   for k, length in enumerate(stop_lens):
-    if length > 0:
-      early[stop_seqs[k, stop_seqs.shape[1] - length]] = True  # the first stop token
+    if length == 1:  # EOS and one-token stops (vLLM's stop_token_ids); longer sequences
+      early[stop_seqs[k, -1]] = True  # completed before min_new just do not count
   eos = np.zeros(vocab, bool)
   eos[list(eos_ids)] = True
   table = constraint
