@@ -81,7 +81,7 @@ def heldout_prompts(tokenizer, corpus: str | data_lib.Corpus, num_prompts: int,
   rng = np.random.default_rng(seed)
   prompts = []
   for i in rng.permutation(len(texts)):
-    ids = tokenizer.encode(texts[i])
+    ids = [int(t) for t in tokenizer.encode(texts[i])]
     if len(ids) < window + 1:
       continue
     start = int(rng.integers(0, len(ids) - window))

@@ -499,7 +499,8 @@ def laid_out(engine: Engine, weights: Weights) -> Weights:
   `decode` lays the weights out inside the compiled call (a copy of every weight); done
   once here instead, a call skips that copy (on the shipped target 3.7 ms of a 64-token
   call's 9.6 ms first round). The three most recent parameter sets stay laid out, a
-  second copy of their weights in memory; `decode` leaves weights laid out already as they are.
+  second copy of their weights in memory (and any set a live `Prepared`, a stream's,
+  still holds); `decode` leaves weights laid out already as they are.
   A draft head's leaves that are the target's own arrays get the target's laid-out
   copies (`_shared`), not a second layout of their own.
   """

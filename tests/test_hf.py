@@ -8,6 +8,7 @@ initial 0 or 1 cannot hide a mapping error. Float32 throughout.
 import json
 import os
 import shutil
+import types
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 
@@ -415,6 +416,13 @@ def test_end_of_text_ids_past_the_embedding_are_left_out(tmp_path):
   res = specjax.generate(loaded, ["def"], max_new_tokens=6, min_new_tokens=2,
                          logit_bias={2: 60.0})
   assert res.tokens[0][-1] == 2 and len(res.tokens[0]) == 3
+  # Its own end-of-text token past the embedding: the export names the one config.json does.
+  model.tokenizer = Tokenizer(tokenizer._tok, eos_token="<|eot|>", more_eos_ids=[2])
+  assert model.eos_ids == [2]
+  hf.export_hf(model, tmp_path / "again")
+  assert json.loads((tmp_path / "again" / "config.json").read_text())["eos_token_id"] == 2
+  auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "again")
+  assert (auto.eos_token, auto.eos_token_id, auto.bos_token_id) == ("</s>", 2, 1)
 
 
 def test_every_end_of_text_id_in_the_configs_stops_a_row(tmp_path):
@@ -450,6 +458,10 @@ def test_every_end_of_text_id_in_the_configs_stops_a_row(tmp_path):
   assert specjax.quantize(bare).eos_ids == bare.eos_ids
   hf.export_hf(bare, tmp_path / "bare")
   assert hf.load_hf_model(tmp_path / "bare").eos_ids == [tokenizer.eos_id, 7, 9]
+  assert json.loads((tmp_path / "bare" / "config.json").read_text())["bos_token_id"] is None
+  # A tokenizer the user attaches (sentencepiece, say) that names no EOS keeps the config's.
+  bare.tokenizer = types.SimpleNamespace(encode=lambda text: [1], decode=lambda ids: "")
+  assert bare.eos_ids == [tokenizer.eos_id, 7, 9]
   (tmp_path / "generation_config.json").write_text("{")
   with pytest.raises(ValueError, match="generation_config.json is unreadable"):
     hf.load_hf_model(tmp_path)

@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 
 from experiments import prompts
@@ -121,5 +122,10 @@ def test_prompts_start_as_the_tokenizer_starts_a_text(tmp_path, monkeypatch, bos
   ids, _ = prompts.select([{"id": 1, "category": "x", "text": "the cat"}], tok, "own_bos", 1,
                           max_tokens=50)
   assert ids[0] == tok.encode("<s>Q: the cat") and ids[0].count(0) == 1
+  # A tokenizer object whose encode gives an array (or a tuple) gets the same windows.
+  class ArrayTokenizer:
+    encode = staticmethod(lambda text: np.asarray(tok.encode(text)))
+    encode_prompt = staticmethod(lambda text: tuple(tok.encode_prompt(text)))
+  assert common.heldout_prompts(ArrayTokenizer(), str(corpus), 3, 12) == windows
   with pytest.raises(ValueError, match="no room for text"):
     common.heldout_prompts(tok, str(corpus), 1, 1 if bos else 0)

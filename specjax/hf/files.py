@@ -280,9 +280,13 @@ def export_hf(model: Model, out_dir: str | os.PathLike) -> Path:
   save_tokenizer = None if tok is None else _tokenizer_saver(tok)
   ends = model.eos_ids or []
   eos_id = ends[0] if ends else None
-  # The BOS a Llama tokenizer's post-processor puts first; GPT-2's files name EOS for it.
+  # The BOS a Llama tokenizer's post-processor puts first; GPT-2's files name EOS for it;
+  # without a tokenizer it is not known.
   prefix = tokenizer_lib.prompt_prefix(tok) if hasattr(tok, "encode_prompt") else []
-  bos_id = prefix[0] if len(prefix) == 1 and prefix[0] < cfg.vocab_size else eos_id
+  if len(prefix) == 1 and prefix[0] < cfg.vocab_size:
+    bos_id = prefix[0]
+  else:
+    bos_id = eos_id if tok is not None else None
   # Every id that ends generation, as a list where there are several (Llama 3's style).
   hf_config = config_to_hf(cfg, bos_id=bos_id, eos_id=eos_id if len(ends) < 2 else ends)
   tensors = params_to_hf(cfg, model.params)
@@ -310,13 +314,13 @@ def export_hf(model: Model, out_dir: str | os.PathLike) -> Path:
     save_tokenizer(out / "tokenizer.json")
     # What AutoTokenizer needs beyond tokenizer.json: its end-of-text token (else None),
     # and decode as ours does (no cleanup of spaces before punctuation).
-    eos_token = getattr(tok, "eos_token", None) if eos_id is not None else None
+    # The tokens config.json names (the tokenizer's own EOS may lie past the embedding).
     tok_config = dict(tokenizer_class="PreTrainedTokenizerFast", model_max_length=cfg.max_len,
                       clean_up_tokenization_spaces=False)
-    if eos_token is not None:
-      tok_config.update(eos_token=eos_token, bos_token=eos_token)
-    if bos_id is not None and bos_id != eos_id:
-      tok_config["bos_token"] = tok.decode([bos_id])
+    raw = getattr(tok, "_tok", tok)  # a specjax Tokenizer's tokenizers.Tokenizer
+    for name, i in (("eos_token", eos_id), ("bos_token", bos_id)):
+      if i is not None and raw.id_to_token(i) is not None:
+        tok_config[name] = raw.id_to_token(i)
     (out / "tokenizer_config.json").write_text(
         json.dumps(tok_config, indent=2, sort_keys=True) + "\n")
   return out

@@ -495,15 +495,15 @@ class Model:
 
   @property
   def eos_ids(self) -> list[int] | None:
-    """The ids that end text: the tokenizer's, or, for a model without one, those its
-    files name (a Hugging Face config.json beside no tokenizer.json); None if neither.
-    Ids past the embedding (a tokenizer larger than the model) are left out: the model
-    never emits them."""
-    ids = self._eos_ids
-    if self.tokenizer is not None:
-      ids = getattr(self.tokenizer, "eos_ids", None)
-      if ids is None and getattr(self.tokenizer, "eos_id", None) is not None:
-        ids = [self.tokenizer.eos_id]
+    """The ids that end text: the tokenizer's, or, where it names none (no tokenizer, or
+    one attached to a sentencepiece-only Hugging Face directory), those the model's
+    files name (config.json, generation_config.json); None if neither. Ids past the
+    embedding (a tokenizer larger than the model) are left out: the model never emits them."""
+    ids = getattr(self.tokenizer, "eos_ids", None)
+    if not ids and getattr(self.tokenizer, "eos_id", None) is not None:
+      ids = [self.tokenizer.eos_id]
+    if not ids:
+      ids = self._eos_ids
     return None if ids is None else [
         int(i) for i in ids if 0 <= int(i) < self.config.vocab_size]
 

@@ -181,7 +181,8 @@ def prompt_prefix(tokenizer) -> list[int]:
   Mistral's BOS; none for GPT-2's): what a prompt cut from inside a document needs to
   start as the model's training text did."""
   probe = "a"
-  full, plain = encode_prompt(tokenizer, probe), list(tokenizer.encode(probe))
+  full = [int(i) for i in encode_prompt(tokenizer, probe)]
+  plain = [int(i) for i in tokenizer.encode(probe)]
   for k in range(len(full) - len(plain) + 1):
     if full[k:k + len(plain)] == plain:
       return list(full[:k])
