@@ -79,6 +79,22 @@ def tiny_model(vocab=8, d_model=32, n_layers=1, n_heads=2, max_len=64, seed=0, s
   return model.with_params(params)
 
 
+def byte_bpe(texts, vocab_size, special_tokens, bos=None):
+  """A trained byte-level BPE `tokenizers.Tokenizer` (GPT-2's kind); with `bos`, a
+  post-processor that puts that special token before a text, as Llama's files do."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+  raw = Tokenizer(models.BPE())
+  raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  raw.decoder = decoders.ByteLevel()
+  raw.train_from_iterator(list(texts), trainers.BpeTrainer(
+      vocab_size=vocab_size, special_tokens=list(special_tokens),
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  if bos is not None:
+    raw.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", special_tokens=[(bos, raw.token_to_id(bos))])
+  return raw
+
+
 def greedy_oracle(model, prompt, steps):
   """Repeated argmax of the uncached full forward.
 

@@ -502,9 +502,6 @@ def test_finish_reasons(stream_pair):
     ends = [j + 1 for j in range(4, 8) if row[j - 1:j + 1] == seq]
     assert got == row[:ends[0] if ends else 8] and reason == (seq if ends else None)
   assert late.tokens[1][:4] == free.tokens[1][:4]  # seq, at new tokens 2-3, not banned
-  single = specjax.generate(target, prompts, max_new_tokens=8, draft=draft, gamma=3,
-                            stop_sequences=[[free.tokens[1][2]]], min_new_tokens=4)
-  assert free.tokens[1][2] not in single.tokens[1][:4]  # a one-token stop still is
   banned = specjax.generate(target, [[1, 2, 3]], max_new_tokens=20, drafter="ngram",
                             no_repeat_ngram_size=1, temperature=1.0)
   assert len(banned.tokens[0]) == 9 and banned.finish_reasons == ["stop"]  # 12 tokens seen

@@ -28,6 +28,7 @@ from specjax.models import checkpoint  # noqa: E402
 from specjax.models.config import ModelConfig  # noqa: E402
 from specjax.models.model import Model, init_model, rope_frequencies  # noqa: E402
 from specjax.models.tokenizer import Tokenizer  # noqa: E402
+from conftest import byte_bpe  # noqa: E402
 
 ATOL = 1e-4
 
@@ -369,16 +370,7 @@ def test_export_writes_tokenizer_and_import_attaches_it(tmp_path):
 
 def _llama_style_tokenizer(extra_special=()):
   """A byte-level BPE whose post-processor puts <s> (id 1) first; </s> (id 2) ends text."""
-  from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
-  from tokenizers import processors, trainers
-  raw = HFTokenizer(models.BPE())
-  raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  raw.decoder = decoders.ByteLevel()
-  raw.train_from_iterator(["def f(x):\n    return x\n"] * 10, trainers.BpeTrainer(
-      vocab_size=280, special_tokens=["<unk>", "<s>", "</s>"],
-      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-  raw.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[
-      ("<s>", 1)])
+  raw = byte_bpe(["def f(x):\n    return x\n"] * 10, 280, ["<unk>", "<s>", "</s>"], bos="<s>")
   size = raw.get_vocab_size()
   raw.add_special_tokens(list(extra_special))
   return Tokenizer(raw, eos_token="</s>"), size

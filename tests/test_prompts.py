@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 
+from conftest import byte_bpe
 from experiments import prompts
 
 
@@ -82,24 +83,6 @@ def test_every_pair_has_a_template():
   assert all("{q}" in t for t in prompts.TEMPLATES.values())
 
 
-def _bos_tokenizer(tmp_path, bos: bool):
-  """A byte-level BPE tokenizer; with `bos`, its post-processor puts <s> before a text,
-  as Llama's and Mistral's files do."""
-  from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
-  from tokenizers import processors, trainers
-  from specjax.models.tokenizer import Tokenizer
-  hf = HFTokenizer(models.BPE())
-  hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  hf.decoder = decoders.ByteLevel()
-  hf.train_from_iterator(["the cat sat on the mat\n"] * 10, trainers.BpeTrainer(
-      vocab_size=280, special_tokens=["<s>", "</s>"],
-      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-  if bos:
-    hf.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[
-        ("<s>", 0)])
-  return Tokenizer(hf)
-
-
 @pytest.mark.parametrize("bos", [False, True])
 def test_prompts_start_as_the_tokenizer_starts_a_text(tmp_path, monkeypatch, bos):
   """A Llama tokenizer's BOS (from its post-processor) begins every prompt, held-out
@@ -107,7 +90,9 @@ def test_prompts_start_as_the_tokenizer_starts_a_text(tmp_path, monkeypatch, bos
   as its training text and transformers' tokenizer(text) begin; a GPT-2 style one adds
   nothing."""
   from experiments import common
-  tok = _bos_tokenizer(tmp_path, bos)
+  from specjax.models.tokenizer import Tokenizer
+  tok = Tokenizer(byte_bpe(["the cat sat on the mat\n"] * 10, 280, ["<s>", "</s>"],
+                           bos="<s>" if bos else None))
   corpus = tmp_path / "corpus.txt"
   corpus.write_text("".join(f"line {i}: the cat sat on the mat\n" for i in range(400)))
   windows = common.heldout_prompts(tok, str(corpus), 3, 12)

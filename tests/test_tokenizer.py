@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 
+from conftest import byte_bpe
 from specjax.models.tokenizer import EOS_TOKEN, Tokenizer
 from specjax.training import data
 
@@ -72,23 +73,14 @@ def test_save_and_load_file(tokenizer, tmp_path, source_texts):
 
 def test_hugging_face_style_file_finds_its_eos(tmp_path):
   # A tokenizer.json whose end token goes by another common name, as in Llama-style files.
-  from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
-  hf = HFTokenizer(models.BPE())
-  hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  hf.decoder = decoders.ByteLevel()
-  hf.train_from_iterator(["def f(x):\n    return x\n"] * 10, trainers.BpeTrainer(
-      vocab_size=300, special_tokens=["<s>", "</s>"],
-      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  hf = byte_bpe(["def f(x):\n    return x\n"] * 10, 300, ["<s>", "</s>"])
   hf.save(str(tmp_path / "tokenizer.json"))
   tok = Tokenizer.from_file(tmp_path / "tokenizer.json")
   assert tok.eos_token == "</s>" and tok.eos_id == 1 and tok.eos_ids == (1,)
   assert tok.decode(tok.encode(TRICKY)) == TRICKY
   # Llama's files put <s> before a text in their post-processor: a prompt gets it (as
   # transformers' tokenizer(text) does), a piece of text (a stop string) does not.
-  from tokenizers import processors
-  hf.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[
-      ("<s>", 0)])
-  tok = Tokenizer(hf)
+  tok = Tokenizer(byte_bpe(["def f(x):\n    return x\n"] * 10, 300, ["<s>", "</s>"], bos="<s>"))
   ids = tok.encode("def f(x):")
   assert tok.encode_prompt("def f(x):") == [0] + ids and 0 not in ids
   # Output text leaves special tokens out (vLLM's), and ids past the table (a padded
