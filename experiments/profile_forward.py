@@ -554,9 +554,8 @@ def products_table(model, max_rows, iters, pairs):
 
 def call_kwargs(name, gamma, new_tokens):
   """`specjax.generate` keyword arguments of a T = 0 call of drafter `name` (none:
-  target-only) at γ, no row stopping at EOS; the model drafter's draft is --draft, a
-  head's the shipped one."""
-  kw = dict(max_new_tokens=new_tokens, temperature=0.0, eos_id=None)  # every round timed
+  target-only) at γ; the model drafter's draft is --draft, a head's the shipped one."""
+  kw = dict(max_new_tokens=new_tokens, temperature=0.0)
   if name != "none":
     kw.update(drafter=name, gamma=gamma)
   if name in common.DEFAULT_DRAFTS:

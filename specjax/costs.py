@@ -361,8 +361,10 @@ def round_parts(target, prepared, context: int, repeats: int = 5, rounds: int = 
   return {**out, **_median_range(rest, "rest")}
 
 
-# `specjax.generate`'s defaults for the arguments `prepare` requires.
-GENERATE_DEFAULTS = dict(temperature=0.0, top_k=0, top_p=1.0, eos_id="auto")
+# `specjax.generate`'s defaults for the arguments `prepare` requires, but no EOS: a timed
+# row that ended early would make the later rounds cheaper than the ones timed beside
+# them. kwargs that name an eos_id keep it (the sweep's stop_at_eos).
+GENERATE_DEFAULTS = dict(temperature=0.0, top_k=0, top_p=1.0, eos_id=None)
 
 
 def _prepare(target, prompts, kwargs: dict):

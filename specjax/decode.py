@@ -395,12 +395,11 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
                    state.tokens.shape[1], new.shape[1] if tree is None else tree.num_nodes + 1)
   hits = stop_hits(state.tokens, state.n, state.prompt_len, new, sampling.stop_seqs,
                    sampling.stop_lens)
-  if sampling.pcfg.min_new:  # a longer stop sequence completed before min_new does not count
-    index = state.n[:, None] - state.prompt_len[:, None] + jnp.arange(new.shape[1])[None, :]
-    hits &= index >= sampling.procs.min_new[:, None]
   before = _before_each(path)  # the prefix before new[:, j] (None: j)
   if prefixes is not None:
     light = prefixes if before is None else processors.at(prefixes, before, counts=False)
+    if sampling.pcfg.min_new:
+      hits &= processors.past_min_new(sampling.procs, light)
     if sampling.pcfg.constraint:  # a finished constrained text stops like a stop sequence
       hits |= processors.terminal(sampling.procs,
                                   processors.fsm_after(sampling.procs, light.fsm, new))

@@ -81,7 +81,7 @@ class Prepared:
   @functools.cached_property
   def laid_out(self) -> decode_lib.Weights:
     """The weights as the engine's kernels read them, looked up once: a stream's every
-    chunk reuses them (the lookup hashes ~80 leaves, ~0.15 ms of a 1-round chunk)."""
+    chunk reuses them instead of hashing ~80 leaves again (docs/ARCHITECTURE.md)."""
     return decode_lib.laid_out(self.engine, self.weights)
 
   def prefill(self, key) -> decode_lib.DecodeState:
@@ -651,8 +651,8 @@ def generate(target: Model, prompts, *, max_new_tokens: int = 32, temperature=0.
       shape's kernels).
     eos_id: an id (or list of ids) that ends a row; it is emitted, nothing after it.
       The default 'auto' is the target's `eos_ids` (`<|endoftext|>` for the shipped
-      pair; for a Hugging Face model, the eos_token_id of config.json and
-      generation_config.json, as transformers stops at, with or without tokenizer.json),
+      pair; for a Hugging Face model, the eos_token_id lists of config.json and
+      generation_config.json, as vLLM stops, with or without tokenizer.json),
       or none for a model that names none.
       None stops at no EOS (vLLM's ignore_eos): rows run to max_new_tokens.
     stop_sequences: token-id lists, or strings, that end a row once generated; the

@@ -255,3 +255,14 @@ def test_paired_uses_the_times_timers_return(monkeypatch):
   # After a warm-up call each: ratios 4 / 2 and 12 / 4, whatever the wall clock said.
   assert got["method_s"] == [2.0, 4.0] and got["baseline_s"] == [4.0, 12.0]
   assert got["ratio"] == 2.5 and got["ratio_max"] == 3.0
+
+
+def test_timed_calls_run_every_row_to_its_budget():
+  """A timed call stops no row at EOS unless its kwargs name one: a row ended early would
+  make the later rounds cheaper than those timed beside them."""
+  import specjax
+  target = specjax.load_pretrained("stdlib-target")
+  assert target.eos_ids  # generate's default would stop at <|endoftext|>
+  assert costs._prepare(target, [[1, 2]], dict(max_new_tokens=4)).stops.eos == ()
+  given = costs._prepare(target, [[1, 2]], dict(max_new_tokens=4, eos_id=target.eos_ids))
+  assert given.stops.eos == tuple(target.eos_ids)

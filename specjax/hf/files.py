@@ -171,9 +171,10 @@ def resolve(path_or_id: str | os.PathLike) -> Path:
 
 
 def eos_ids(directory: Path, hf_config: dict) -> list[int]:
-  """The ids that end text, as transformers' generate stops: config.json names the
-  end-of-text token (the tokenizer file alone can only guess it), and chat models list
-  more (Llama 3's <|eot_id|>) there or in generation_config.json."""
+  """The ids that end text: config.json names the end-of-text token (the tokenizer file
+  alone can only guess it), and chat models list more (Llama 3's <|eot_id|>) there or in
+  generation_config.json. Both lists, as vLLM adds generation_config.json's to the
+  tokenizer's (transformers reads generation_config.json's alone where it exists)."""
   ids = _ids(hf_config.get("eos_token_id"))
   gen_path = directory / "generation_config.json"
   if gen_path.is_file():
@@ -317,10 +318,9 @@ def export_hf(model: Model, out_dir: str | os.PathLike) -> Path:
     # The tokens config.json names (the tokenizer's own EOS may lie past the embedding).
     tok_config = dict(tokenizer_class="PreTrainedTokenizerFast", model_max_length=cfg.max_len,
                       clean_up_tokenization_spaces=False)
-    raw = getattr(tok, "_tok", tok)  # a specjax Tokenizer's tokenizers.Tokenizer
     for name, i in (("eos_token", eos_id), ("bos_token", bos_id)):
-      if i is not None and raw.id_to_token(i) is not None:
-        tok_config[name] = raw.id_to_token(i)
+      if i is not None and tok.id_to_token(i) is not None:
+        tok_config[name] = tok.id_to_token(i)
     (out / "tokenizer_config.json").write_text(
         json.dumps(tok_config, indent=2, sort_keys=True) + "\n")
   return out

@@ -103,6 +103,10 @@ class Tokenizer:
     Mistral's BOS), as transformers' `tokenizer(text)` and vLLM give them."""
     return self.encode(text, add_special_tokens=True)
 
+  def id_to_token(self, token_id: int) -> str | None:
+    """The vocabulary entry of an id (special tokens by name), None past the table."""
+    return self._tok.id_to_token(int(token_id))
+
   def encode_batch(self, texts: list[str]) -> list[list[int]]:
     """Like `encode` for many texts at once (parallel on the Rust side)."""
     return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]

@@ -220,14 +220,17 @@ def terminal(settings: ProcessorSettings, fsm):
       settings.fsm_next[safe] == DEAD, axis=-1)
 
 
-def stop_string_hits(settings: ProcessorSettings, before: History, tokens):
-  """bool[B, T]: token j, appended to the prefix before[:, j], completes a stop string.
+def past_min_new(settings: ProcessorSettings, before: History):
+  """bool[B, T]: token j, appended to the prefix before[:, j], is past the first
+  `min_new_tokens` new tokens, where a stop string or a longer stop sequence it
+  completes counts (EOS and one-token stops are banned before: `banned_early`)."""
+  return before.length - before.prompt_len >= settings.min_new[:, None]
 
-  A stop string completed within the first `min_new_tokens` new tokens does not count,
-  as EOS is banned there.
-  """
-  hit = settings.stop_hit[before.stop, tokens]
-  return hit & (before.length - before.prompt_len >= settings.min_new[:, None])
+
+def stop_string_hits(settings: ProcessorSettings, before: History, tokens):
+  """bool[B, T]: token j, appended to the prefix before[:, j], completes a stop string
+  (one completed within the first `min_new_tokens` new tokens does not count)."""
+  return settings.stop_hit[before.stop, tokens] & past_min_new(settings, before)
 
 
 def _ngram_banned(seq, length, n_row, max_n):
