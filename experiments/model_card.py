@@ -68,7 +68,7 @@ def loss_by_position_half(model, tokenizer, num_windows: int = 16) -> dict[str, 
   length = model.config.max_len
   windows = heldout_windows(tokenizer, length, num_windows)
   nats = np.concatenate([
-      np.asarray(train_lib._eval_batch(model.graphdef, model.params, jnp.asarray(windows[i: i + 4])))
+      np.asarray(train_lib.eval_batch(model.graphdef, model.params, jnp.asarray(windows[i: i + 4])))
       for i in range(0, len(windows), 4)])
   half = length // 2
   return {f"loss_positions_0_{half - 1}": float(nats[:, :half].mean()),

@@ -1,7 +1,4 @@
 """specjax: lossless speculative decoding in JAX/Flax."""
-from specjax import rng as _rng
-
-_rng.use_unrolled_threefry()  # before any program is traced (see specjax/rng.py)
 
 from specjax.generation import Chunk, GenerateResult, Stream, generate, stream
 from specjax.models.config import ModelConfig
@@ -9,7 +6,9 @@ from specjax.models.model import Model, init_model
 from specjax.models.pretrained import load_pretrained
 from specjax.models.quantization import quantize
 from specjax.models.sharding import shard
+from specjax.params import OutputParams, SamplingParams, SpeculationParams, StoppingParams
 from specjax.processors import constraints
 
-__all__ = ["Chunk", "GenerateResult", "Stream", "constraints", "Model", "ModelConfig",
-           "generate", "init_model", "load_pretrained", "quantize", "shard", "stream"]
+__all__ = ["Chunk", "GenerateResult", "Model", "ModelConfig", "OutputParams", "SamplingParams",
+           "SpeculationParams", "StoppingParams", "Stream", "constraints", "generate",
+           "init_model", "load_pretrained", "quantize", "shard", "stream"]

@@ -5,7 +5,7 @@ docs/ARCHITECTURE.md:
   1. draft: the drafter proposes y_1..y_γ with their distributions q (inside the jit);
   2. verify pass: the target scores [x_{n-1}, y_1..y_γ] in one cached pass -> p_1..p_{γ+1};
   3. verify rule: `engine.rule` (for a chain; `policy.settle` then applies the row's
-     draft length) or `trees.walk_batch` (for a tree) accepts a prefix per row and draws
+     draft length) or `verify.tree.walk_batch` (for a tree) accepts a prefix per row and draws
      the correction/bonus token;
   4. commit: the accepted prefix plus that token, cut by the budget, the context limit
      and stop sequences;
@@ -19,7 +19,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import warnings
 from typing import Any
 
 import flax.struct
@@ -30,9 +29,10 @@ from specjax.models import cpu_kernels
 from specjax.models import kv_cache
 from specjax.models import model as model_lib
 from specjax import policies
-from specjax.models import sharding
+from specjax import distribute
 from specjax.processors import history as processors
 from specjax import trees
+from specjax.verify import tree as tree_verify
 from specjax.models.config import ModelConfig
 from specjax.processors.sampling import Sampling
 from specjax.verify.exact import ExactRule
@@ -203,7 +203,7 @@ def update_stats(s: Stats, live, n_accepted, count, overlap, lengths=None,
                  siblings=None, verified_width=None) -> Stats:
   """Adds one round. lengths: int32[B] tokens each row drafted (None: γ, a fixed chain);
   positions past a row's length were neither drafted nor verified. siblings: a tree
-  round's (tried, accepted, chance) [B, K] by sibling rank (`trees.walk`); None for a
+  round's (tried, accepted, chance) [B, K] by sibling rank (`verify.tree.walk`); None for a
   chain, whose one child per node was tried at every verified position. verified_width
   (int32): the draft tokens the batch's pass computed this round (None: γ)."""
   gamma = s.accepted_at.shape[1]
@@ -360,7 +360,7 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
       narrow)
   # 2. Verify pass: the pending token and the γ drafts (or every tree node), one call.
   pending = jnp.take_along_axis(state.tokens, (state.n - 1)[:, None], axis=1)
-  layout = {} if tree is None else trees.verify_layout(tree, state.n)
+  layout = {} if tree is None else tree_verify.verify_layout(tree, state.n)
   logits, target_kv, features, width = _verify_pass(
       engine, weights.target, jnp.concatenate([pending, ys], axis=1), state.target_kv,
       lengths, state.done, narrow, **layout)
@@ -384,7 +384,7 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
     n_accepted, next_token, overlap = engine.rule(row_keys, ys, qs, ps)
     n_accepted, next_token = policy.settle(n_accepted, next_token, ps, lengths, verify_key)
   else:  # walk down from the root; ys becomes the accepted path's tokens
-    n_accepted, next_token, overlap, path, siblings = trees.walk_batch(
+    n_accepted, next_token, overlap, path, siblings = tree_verify.walk_batch(
         row_keys, ys, qs, ps, tree, drafter.sample_mode == "greedy")
     ys = jnp.take_along_axis(ys, jnp.maximum(path, 0), axis=1)
   # 4. Commit y_1..y_a and the correction/bonus token (at index a).
@@ -423,7 +423,7 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
   if tree is None:
     draft_state = drafter.rollback(draft_state, n, features, state.n - 1)
   else:  # the accepted path's KV moves into contiguous slots; other branches are dropped
-    target_kv = trees.compact_path(target_kv, state.n - 1, path, n_accepted)
+    target_kv = tree_verify.compact_path(target_kv, state.n - 1, path, n_accepted)
     draft_state = drafter.rollback(draft_state, n, features, state.n - 1, path=path)
   return state.replace(
       history=history, logprobs=logprobs,
@@ -569,7 +569,7 @@ def run_loop(engine: Engine, weights: Weights, state: DecodeState, sampling: Sam
   """
   return jax.lax.while_loop(
       lambda s: ~jnp.all(s.done) & (s.target_calls < max_rounds),
-      lambda s: sharding.constrain(engine, decode_round(engine, weights, s, sampling)), state)
+      lambda s: distribute.constrain(engine, decode_round(engine, weights, s, sampling)), state)
 
 
 @functools.partial(jax.jit, static_argnames=("engine", "prompt_width", "cache_size"))
@@ -582,7 +582,7 @@ def decode(engine: Engine, prompt_width: int, cache_size: int, weights: Weights,
     weights = cpu_layout(engine, weights)
     state = prefill(engine, weights, tokens, prompt_len, prompt_width, cache_size, key,
                     sampling)
-    return run_loop(engine, weights, sharding.constrain(engine, state), sampling,
+    return run_loop(engine, weights, distribute.constrain(engine, state), sampling,
                     jnp.asarray(max_rounds, jnp.int32))
 
 
@@ -591,7 +591,7 @@ def start(engine: Engine, prompt_width: int, cache_size: int, weights: Weights, 
           prompt_len, sampling: Sampling, key) -> DecodeState:
   """`decode`'s prefill alone: the state `resume` continues (`generation.stream`)."""
   with model_lib.whole_rows(engine.mesh is not None):
-    return sharding.constrain(engine, prefill(engine, cpu_layout(engine, weights), tokens,
+    return distribute.constrain(engine, prefill(engine, cpu_layout(engine, weights), tokens,
                                               prompt_len, prompt_width, cache_size, key,
                                               sampling))
 
@@ -605,46 +605,3 @@ def resume(engine: Engine, weights: Weights, state: DecodeState, sampling: Sampl
   with model_lib.whole_rows(engine.mesh is not None):
     return run_loop(engine, cpu_layout(engine, weights), state, sampling,
                     jnp.asarray(max_rounds, jnp.int32))
-
-
-# XLA:CPU keeps each compiled program's code in its own memory mappings: ~500-600 for a
-# `decode` program of the shipped pair. A process holding ~100 of them reaches Linux's
-# vm.max_map_count (65,530 by default), and LLVM then aborts the process at the next
-# compile ("Cannot allocate memory"). Past this share of the limit every compiled program
-# is dropped, and the next call compiles again.
-MAP_LIMIT_SHARE = 0.6
-
-
-def memory_maps() -> tuple[int, int] | None:
-  """(mappings this process holds, vm.max_map_count), or None where /proc has neither."""
-  try:
-    with open("/proc/self/maps", "rb") as f:
-      used = f.read().count(b"\n")
-    with open("/proc/sys/vm/max_map_count") as f:
-      return used, int(f.read())
-  except (OSError, ValueError):
-    return None
-
-
-def compiled_programs() -> int | None:
-  """How many programs `decode`, `start` and `resume` hold compiled; None where this jax
-  has no count (jit's `_cache_size` is private: without it the map check below is
-  skipped, nothing fails)."""
-  counts = [getattr(f, "_cache_size", None) for f in (decode, start, resume)]
-  return sum(c() for c in counts) if all(callable(c) for c in counts) else None
-
-
-def release_near_map_limit(pending=None) -> bool:
-  """Drops every compiled program (`jax.clear_caches`) when the process's memory mappings
-  have passed `MAP_LIMIT_SHARE` of the limit, once `pending` (a call's result) is ready;
-  returns whether it did. Called right after a call that compiled, whose time the
-  read of /proc (under a millisecond at a few hundred mappings) hides in."""
-  maps = memory_maps()
-  if maps is None or maps[0] < MAP_LIMIT_SHARE * maps[1]:
-    return False
-  warnings.warn(f"specjax: {maps[0]} memory mappings of the {maps[1]} this process may hold "
-                f"(vm.max_map_count), most of them compiled programs' code: dropping every "
-                f"compiled program (jax.clear_caches) before LLVM runs out; calls compile again")
-  jax.block_until_ready(pending)
-  jax.clear_caches()
-  return True

@@ -8,9 +8,10 @@ token, the verify rule's residual or bonus, key splits at any T). Everywhere els
 emits the twenty rounds unrolled, which XLA fuses into one loop over the counts.
 `use_unrolled_threefry` registers that lowering for the CPU too: the hash is the same
 function, so every key and draw keeps its bits (tested); only programs traced afterwards
-change. specjax calls it on import unless SPECJAX_UNROLLED_THREEFRY=0; it affects every
-jax program of the process on the CPU (runtime down, compile time up a little per call
-site).
+change. It changes every jax program of the process on the CPU (runtime down, compile
+time up a little per call site), so importing specjax does not do it: a process that
+wants it calls it once, before tracing (the benchmarks and the sweep do;
+SPECJAX_UNROLLED_THREEFRY=0 turns the call into a no-op).
 """
 
 import os

@@ -8,11 +8,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # another ~40% faster and run these models as fast. Benchmarks never run under these flags.
 os.environ.setdefault(
     "XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false")
-# jax's own (rolled) Threefry lowering: the same bits as the unrolled one specjax registers
-# for CPU runs (tests/test_rng.py checks both), whose twenty rounds unrolled at every draw
-# site made a token tree's program a fifth slower to compile. Inherited by the notebooks'
-# kernels and the sharding workers.
-os.environ.setdefault("SPECJAX_UNROLLED_THREEFRY", "0")
 # One persistent compilation cache for the session, inherited by the notebooks' kernels and
 # the sharding workers: a program compiled again (after `clear_cache`, in a subprocess, by
 # an identical jit elsewhere) is read back instead of rebuilt.
@@ -40,6 +35,13 @@ SLOWEST_FILES_FIRST = ("test_trees.py", "test_notebooks.py", "test_generate.py",
                        "test_experiments.py", "test_heads.py", "test_cpu_kernels.py",
                        "test_policies.py", "test_stop_strings.py", "test_hf.py",
                        "test_model.py")
+
+
+def pytest_runtest_teardown(item, nextitem):
+  """Each worker compiles hundreds of programs: past a share of vm.max_map_count they are
+  dropped between tests (`specjax.compile_guard`), before LLVM would abort the worker."""
+  from specjax import compile_guard
+  compile_guard.release_near_map_limit()
 
 
 def pytest_collection_modifyitems(config, items):

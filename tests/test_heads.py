@@ -14,6 +14,7 @@ import ml_collections
 import numpy as np
 import pytest
 
+from specjax.drafters import heads as head_drafters
 from specjax.drafters.heads import EagleDrafter, MedusaDrafter
 from specjax.models import heads as heads_lib
 from specjax.models import kv_cache
@@ -114,9 +115,9 @@ def eagle_reference(hc, params, tokens, feats, n, drafted):
 
 
 def drafter_setup(target, head, temperature=0.0):
-  drafter = head.drafter(GAMMA)
+  drafter = head_drafters.for_head(head.config, GAMMA)
   assert isinstance(drafter, EagleDrafter if head.kind == "eagle" else MedusaDrafter)
-  assert drafter.uses_features and hash(drafter) == hash(head.drafter(GAMMA))
+  assert drafter.uses_features and hash(drafter) == hash(head_drafters.for_head(head.config, GAMMA))
   params = head.draft_params(target)
   feats = features_of(target, TOKENS[:, :P])
   state = jitted(drafter).prefill(params, drafter.init(2, SIZE), jnp.asarray(TOKENS),
@@ -209,7 +210,7 @@ def test_medusa_proposal_reads_the_last_committed_feature(target):
     np.testing.assert_allclose(qs, process_logits(logits, temperature, 0, 1.0), atol=1e-5)
     assert np.all(np.take_along_axis(np.asarray(qs), np.asarray(ys)[..., None], -1) > 0)
   with pytest.raises(ValueError, match="at most"):
-    head.drafter(GAMMA + 2)
+    head_drafters.for_head(head.config, GAMMA + 2)
 
 
 def _stream(n=3000):

@@ -184,7 +184,7 @@ def test_ledger_prices_a_narrowing_pass_by_its_width():
     assert by_width.stats["drafted"] == by_width.stats["rounds"]
     assert fixed_width.stats["drafted"] > fixed_width.stats["rounds"]
   # generate's draft_cost=(c, v) sets both.
-  from specjax.generation import make_policy
+  from specjax.arguments import make_policy
   drafter = types.SimpleNamespace(gamma=4, tree=None)
   assert make_policy("ledger", None, (0.02, 2.0), drafter) == policy
 

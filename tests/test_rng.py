@@ -1,8 +1,8 @@
 """specjax's unrolled Threefry on the CPU: jax's own hash, the same bits, no loop.
 
-The tests run under jax's own rolled lowering (tests/conftest.py sets
-SPECJAX_UNROLLED_THREEFRY=0: programs compile faster); here its draws are compared with
-those of a process importing specjax with the default, the unrolled lowering.
+Importing specjax leaves jax's lowering alone (the tests run under jax's own rolled one:
+programs compile faster); here its draws are compared with those of a process that
+opted in with `rng.use_unrolled_threefry()`.
 """
 import os
 import subprocess
@@ -25,16 +25,17 @@ loop = " while(" in jax.jit(lambda k: jax.random.uniform(k, (2048,))).lower(
 """
 
 
-def test_unrolled_by_default_without_a_loop_and_the_same_bits_as_jax_rolled_loop():
-  assert rng.status() == "turned off by SPECJAX_UNROLLED_THREEFRY=0", rng.status()
+def test_opt_in_unrolls_without_a_loop_and_keeps_the_bits_of_jax_rolled_loop():
+  import specjax  # noqa: F401  (importing the package changes no lowering)
+  assert rng.status() == "not tried", rng.status()
   scope = {}
   exec(_DRAWS, scope)
   assert scope["loop"]  # jax's rolled lowering, in this process
   here = b"".join(np.asarray(x).tobytes() for x in scope["draws"])
-  code = ("import sys, specjax\nfrom specjax import rng\n" + _DRAWS +
+  code = ("import sys, specjax\nfrom specjax import rng\nrng.use_unrolled_threefry()\n" + _DRAWS +
           "print(rng.status())\nprint(loop)\n"
           "sys.stdout.write(b''.join(np.asarray(x).tobytes() for x in draws).hex())")
-  env = {k: v for k, v in os.environ.items() if k != "SPECJAX_UNROLLED_THREEFRY"}  # default
+  env = {k: v for k, v in os.environ.items() if k != "SPECJAX_UNROLLED_THREEFRY"}
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                        check=True)
   status, loop, bits = out.stdout.strip().split("\n")

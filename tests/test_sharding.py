@@ -144,9 +144,8 @@ def worker_mesh():
           repetition_penalty=[1.0, 1.2, 1.4], **kw, **m).tokens
           for t, m in ((target, dict(mesh=mesh)), (targets[name], {})))
       # The raw final state (same engine and shapes: no new compile).
-      args = sharding.distribute(prepare(target, PROMPTS, max_new_tokens=STEPS, temperature=0.0,
-                                         top_k=0, top_p=1.0, eos_id=None, draft=draft, gamma=3),
-                                 mesh)
+      args = prepare(target, PROMPTS, max_new_tokens=STEPS, temperature=0.0, top_k=0,
+                     top_p=1.0, eos_id=None, draft=draft, gamma=3, mesh=mesh)
       key = sharding.put(jax.random.PRNGKey(0), jax.sharding.NamedSharding(
           args.engine.mesh, jax.sharding.PartitionSpec()))
       state = decode_lib.decode(args.engine, args.prompt_width, args.cache_size, args.weights,

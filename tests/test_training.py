@@ -301,7 +301,7 @@ def test_a_corpus_too_short_for_a_window_is_not_cached(tmp_path):
 def test_metrics_cut_short_by_a_crash_are_dropped(tmp_path):
   path = tmp_path / "metrics.jsonl"
   path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"ste')
-  train_lib._MetricsLog(path, resume_step=2)
+  train_lib.MetricsLog(path, resume_step=2)
   assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
 
 

@@ -16,6 +16,8 @@ from specjax import generation
 from specjax.models import kv_cache
 from specjax.models import model as model_lib
 from specjax import trees
+from specjax.drafters import trees as tree_drafters
+from specjax.verify import tree as tree_verify
 from conftest import (LAW_ROWS, PROMPTS, exact_continuations, greedy_oracle, target_and_draft,
                       tempered, tiny_model, within_law)
 from test_processors import EOS, PROMPT as PROC_PROMPT, exact_law, law_check
@@ -115,7 +117,7 @@ class NodeRuleTest(parameterized.TestCase):
     p, q = rng.dirichlet(np.ones(vocab)), rng.dirichlet(np.ones(vocab))
     cases = [("topk", q), ("full", q), ("support_2", np.array([0.0, 0.7, 0.0, 0.3, 0.0])),
              ("tiny_tail", np.array([1.0, 1e-32, 0.0, 0.0, 0.0]))]
-    walk = jax.jit(trees.walk_batch, static_argnums=(4, 5))
+    walk = jax.jit(tree_verify.walk_batch, static_argnums=(4, 5))
     for name, q in cases:
       keys = jax.random.split(jax.random.PRNGKey(1), rows)
       draft_keys = jax.random.split(jax.random.PRNGKey(2), rows)
@@ -123,7 +125,7 @@ class NodeRuleTest(parameterized.TestCase):
       if name == "topk":
         kids = jnp.broadcast_to(jnp.asarray(np.argsort(-q)[:3], jnp.int32), (rows, 3))
       else:  # past the support: the best of these logits
-        kids = jax.vmap(lambda k: trees.sample_distinct(
+        kids = jax.vmap(lambda k: tree_drafters.sample_distinct(
             k, qf, -jnp.arange(vocab, dtype=jnp.float32), 3))(draft_keys)
         self.assertTrue(np.all(np.sort(np.asarray(kids), 1)[:, 1:]
                                != np.sort(np.asarray(kids), 1)[:, :-1]), name)  # distinct
@@ -145,7 +147,7 @@ class NodeRuleTest(parameterized.TestCase):
 
   @parameterized.parameters(True, False)
   def test_rolled_and_unrolled_walks_agree(self, deterministic):
-    """The walk's loops are rolled on a CPU and unrolled elsewhere (trees.walk): the same
+    """The walk's loops are rolled on a CPU and unrolled elsewhere (verify.tree.walk): the same
     tokens, paths and counts, on a tree whose walks end at every depth."""
     tree = trees.Tree.from_branching((3, 2, 1))
     rows, vocab, n = 64, 6, tree.num_nodes
@@ -154,7 +156,7 @@ class NodeRuleTest(parameterized.TestCase):
     qs = jnp.asarray(rng.dirichlet(np.ones(vocab) * 0.3, (rows, n)), jnp.float32)
     kids = jnp.asarray(rng.integers(0, vocab, (rows, n)), jnp.int32)
     keys = jax.random.split(jax.random.PRNGKey(5), rows)
-    fns = [jax.vmap(functools.partial(trees.walk, tree=tree, deterministic=deterministic,
+    fns = [jax.vmap(functools.partial(tree_verify.walk, tree=tree, deterministic=deterministic,
                                       unroll=u)) for u in (False, True)]
     lowered = [jax.jit(f).lower(keys, kids, qs, ps) for f in fns]
     loops = [low.as_text().count("stablehlo.while") for low in lowered]
@@ -349,7 +351,7 @@ class ProcessorTest(parameterized.TestCase):
 def ngram_tree(row, n, tree, vocab=16):
   """The n-gram tree drafter's node tokens for one history row[:n]."""
   tree = trees.Tree.from_branching(tree)
-  drafter = trees.NgramTreeDrafter(vocab_size=vocab, gamma=tree.depth, tree=tree)
+  drafter = tree_drafters.NgramTreeDrafter(vocab_size=vocab, gamma=tree.depth, tree=tree)
   buf = np.zeros((1, 32), np.int32)
   buf[0, :len(row)] = row
   y, q, _ = drafter.propose(None, (), jnp.asarray(buf), jnp.asarray([n]), None, None)
@@ -413,7 +415,7 @@ class TreeAttentionTest(parameterized.TestCase):
     n = jnp.asarray([5, 5])
     chunk = jnp.concatenate([jnp.asarray(prompt[:, 4:]), jnp.asarray(nodes)], axis=1)
     logits, kv = model_lib.forward_cached(target.graphdef, target.params, chunk, kv,
-                                          **trees.verify_layout(tree, n))
+                                          **tree_verify.verify_layout(tree, n))
     return target, tree, prompt, nodes, logits, kv
 
   def test_every_node_sees_its_path(self):
@@ -431,7 +433,7 @@ class TreeAttentionTest(parameterized.TestCase):
   def test_compaction_equals_a_fresh_prefill(self):
     target, tree, prompt, nodes, _, kv = self._setup()
     path = jnp.asarray([[1, 4], [0, 2]])  # node 1 -> its first child (4); node 0 -> 2
-    kv = trees.compact_path(kv, jnp.asarray([4, 4]), path, jnp.asarray([2, 2]))
+    kv = tree_verify.compact_path(kv, jnp.asarray([4, 4]), path, jnp.asarray([2, 2]))
     committed = np.concatenate([prompt, np.take_along_axis(nodes, np.asarray(path), 1)], 1)
     fresh = kv_cache.init_kv(target.config, 2, 32)
     _, fresh = model_lib.forward_cached(target.graphdef, target.params, jnp.asarray(committed),

@@ -24,7 +24,7 @@ One file per drafter:
   ngram.py   NgramDrafter: prompt lookup, token-only (one-hot q)
   heads.py   EagleDrafter, MedusaDrafter: learned heads on the target's features
 
-Tree-shaped drafters (`specjax.trees`) extend ModelDrafter and NgramDrafter.
+  trees.py   TreeModelDrafter, NgramTreeDrafter, TreeMedusaDrafter: a token tree per round
 """
 
 from specjax.drafters.heads import EagleDrafter, MedusaDrafter

@@ -251,3 +251,9 @@ class MedusaDrafter:
     index = n - 2 - start  # >= 0 whenever the row committed a token this round
     new = self._take(features, index)
     return MedusaState(feature=jnp.where((index >= 0)[:, None], new, state.feature))
+
+
+def for_head(config: heads_lib.HeadConfig, gamma: int, sample_mode: str = "probabilistic"):
+  """The drafter of a head with this config: an EAGLE or a Medusa drafter of γ tokens."""
+  cls = EagleDrafter if config.kind == "eagle" else MedusaDrafter
+  return cls(config, gamma, sample_mode)

@@ -18,7 +18,6 @@ from specjax.hf.config import config_from_hf, config_to_hf, export_type
 from specjax.hf.weights import params_from_hf, params_to_hf
 from specjax.models import tokenizer as tokenizer_lib
 from specjax.models.model import Model, float_dtype
-from specjax.models.pretrained import looks_like_hub_id
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
@@ -106,6 +105,17 @@ class CheckpointTensors:
     from safetensors import safe_open
     with safe_open(str(self._file_of[name]), framework="numpy") as f:
       return f.get_tensor(name)
+
+
+def looks_like_hub_id(name: str) -> bool:
+  """'gpt2' or 'org/name': no path syntax beyond one slash, nothing that exists locally.
+
+  The one rule for both `specjax.load_pretrained` and `load_hf_model`.
+  """
+  parts = name.split("/")
+  return (len(parts) <= 2 and all(parts) and not name.startswith((".", "~"))
+          and all(c.isalnum() or c in "-_." for p in parts for c in p)
+          and not Path(name).exists())
 
 
 def _read_bf16(path: Path, name: str) -> np.ndarray:

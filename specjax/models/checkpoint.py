@@ -51,14 +51,14 @@ def is_checkpoint(path: str | os.PathLike) -> bool:
     return False
 
 
-def _key(path) -> str:
+def param_key(path) -> str:
   return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
 def _reference_leaves(cfg: ModelConfig):
   """[(key, ShapeDtypeStruct)] of a config's parameters and the treedef to rebuild them."""
   leaves, treedef = jax.tree_util.tree_flatten_with_path(model_lib.abstract_params(cfg))
-  return [(_key(p), leaf) for p, leaf in leaves], treedef
+  return [(param_key(p), leaf) for p, leaf in leaves], treedef
 
 
 def save_model(path: str | os.PathLike, config: ModelConfig, params, tokenizer=None,
@@ -79,14 +79,14 @@ def save_model(path: str | os.PathLike, config: ModelConfig, params, tokenizer=N
     arr = np.asarray(jax.device_get(leaf))
     if dtype is not None and jnp.issubdtype(arr.dtype, jnp.floating):
       arr = arr.astype(jnp.dtype(dtype))
-    key = _key(p)
+    key = param_key(p)
     specs[key] = {"shape": list(arr.shape), "dtype": str(arr.dtype)}
     # npz cannot describe bfloat16 and friends: keep their bits as unsigned ints.
     arrays[key] = arr.view(f"u{arr.itemsize}") if arr.dtype.kind == "V" else arr
   buffer = io.BytesIO()
   np.savez(buffer, **arrays)
   blob = buffer.getvalue()
-  _atomic_write(path / PARAMS, blob)
+  atomic_write(path / PARAMS, blob)
   if tokenizer is not None:
     if isinstance(tokenizer, (str, os.PathLike)):
       shutil.copyfile(tokenizer, path / (TOKENIZER + ".tmp"))
@@ -101,11 +101,11 @@ def save_model(path: str | os.PathLike, config: ModelConfig, params, tokenizer=N
       "has_tokenizer": tokenizer is not None, "metadata": metadata or {},
   }
   # The manifest goes last: its presence marks the checkpoint complete.
-  _atomic_write(path / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True).encode())
+  atomic_write(path / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True).encode())
   return path
 
 
-def _atomic_write(path: Path, data: bytes):
+def atomic_write(path: Path, data: bytes):
   tmp = path.with_name(path.name + ".tmp")
   tmp.write_bytes(data)
   os.replace(tmp, path)
@@ -145,7 +145,7 @@ def check_manifest(manifest, where, keys):
                             f"{type(manifest[k]).__name__}")
 
 
-def _config(manifest, where, from_dict):
+def config_from_manifest(manifest, where, from_dict):
   """`from_dict(manifest['config'])`, a CheckpointError naming `where` if it is unfit."""
   try:
     return from_dict(manifest["config"])
@@ -162,7 +162,7 @@ def load_params(path: str | os.PathLike, dtype=None, host: bool = False):
   path = Path(path)
   dtype = None if dtype is None else model_lib.float_dtype(dtype)
   manifest = read_manifest(path)
-  cfg = _config(manifest, path / MANIFEST, ModelConfig.from_dict)
+  cfg = config_from_manifest(manifest, path / MANIFEST, ModelConfig.from_dict)
   params_path = path / PARAMS
   if not params_path.is_file():
     raise CheckpointError(f"checkpoint {path} is missing {PARAMS}")
@@ -180,7 +180,7 @@ def load_params(path: str | os.PathLike, dtype=None, host: bool = False):
   leaves = []
   for key, ref in reference:
     arr = stored[key]
-    arr = _as_stored(arr, _stored_dtype(specs, key, path / MANIFEST), key, path)
+    arr = as_stored(arr, stored_dtype(specs, key, path / MANIFEST), key, path)
     if list(arr.shape) != list(ref.shape):
       raise CheckpointError(f"checkpoint {path}: parameter {key} has shape {arr.shape}, "
                             f"config needs {tuple(ref.shape)}")
@@ -201,7 +201,7 @@ def check_param_names(want, specs, stored, where):
                           f"{missing[:5]}, unexpected {extra[:5]}")
 
 
-def _stored_dtype(specs, key, where):
+def stored_dtype(specs, key, where):
   """The dtype the manifest records for parameter `key`; CheckpointError if it does not."""
   try:
     name = specs[key]["dtype"]
@@ -212,7 +212,7 @@ def _stored_dtype(specs, key, where):
     raise CheckpointError(f"{where}: the manifest records no valid dtype for {key}") from e
 
 
-def _as_stored(arr, dtype, key, where):
+def as_stored(arr, dtype, key, where):
   """`arr`'s bytes read as the manifest's `dtype` (bfloat16 is stored as uint16)."""
   if arr.dtype == dtype:
     return arr

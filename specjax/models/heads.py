@@ -242,7 +242,7 @@ def target_fingerprint(config: ModelConfig, params) -> str:
   h = hashlib.sha256()
   for path, leaf in flat:
     arr = np.asarray(jax.device_get(leaf), np.float32).astype(jnp.bfloat16)
-    h.update(f"{checkpoint_lib._key(path)}{arr.shape}".encode())
+    h.update(f"{checkpoint_lib.param_key(path)}{arr.shape}".encode())
     h.update(arr.view(np.uint16).tobytes())
   digest = h.hexdigest()[:20]
   if immutable:
@@ -277,11 +277,6 @@ class Head:
   @property
   def num_params(self) -> int:
     return model_lib.count_params(self.params)
-
-  def drafter(self, gamma: int, sample_mode: str = "probabilistic"):
-    from specjax.drafters import heads as head_drafters
-    cls = head_drafters.EagleDrafter if self.kind == "eagle" else head_drafters.MedusaDrafter
-    return cls(self.config, gamma, sample_mode)
 
   def check_target(self, target) -> None:
     """Raises ValueError naming what differs between `target` (a Model) and the head's."""
@@ -328,18 +323,18 @@ def save_head(path: str | os.PathLike, head: Head, dtype=None) -> Path:
     arr = np.asarray(jax.device_get(leaf))
     if dtype is not None and jnp.issubdtype(arr.dtype, jnp.floating):
       arr = arr.astype(jnp.dtype(dtype))
-    key = checkpoint_lib._key(p)
+    key = checkpoint_lib.param_key(p)
     specs[key] = {"shape": list(arr.shape), "dtype": str(arr.dtype)}
     arrays[key] = arr.view(f"u{arr.itemsize}") if arr.dtype.kind == "V" else arr
   buffer = io.BytesIO()
   np.savez(buffer, **arrays)
   blob = buffer.getvalue()
-  checkpoint_lib._atomic_write(path / PARAMS, blob)
+  checkpoint_lib.atomic_write(path / PARAMS, blob)
   manifest = {"format": FORMAT, "version": VERSION, "config": head.config.to_dict(),
               "target_fingerprint": head.target_fingerprint, "params": specs,
               "params_sha256": hashlib.sha256(blob).hexdigest(),
               "num_params": head.num_params, "metadata": head.metadata}
-  checkpoint_lib._atomic_write(path / MANIFEST,
+  checkpoint_lib.atomic_write(path / MANIFEST,
                                json.dumps(manifest, indent=2, sort_keys=True).encode())
   return path
 
@@ -361,7 +356,7 @@ def _read_manifest(path: Path) -> dict:
 def read_head_config(path: str | os.PathLike) -> HeadConfig:
   """A head directory's config, without reading its weights."""
   path = Path(path)
-  return checkpoint_lib._config(_read_manifest(path), path / MANIFEST, HeadConfig.from_dict)
+  return checkpoint_lib.config_from_manifest(_read_manifest(path), path / MANIFEST, HeadConfig.from_dict)
 
 
 def load_head(path: str | os.PathLike, dtype=jnp.float32) -> Head:
@@ -369,20 +364,20 @@ def load_head(path: str | os.PathLike, dtype=jnp.float32) -> Head:
   dtype = None if dtype is None else model_lib.float_dtype(dtype)
   err = checkpoint_lib.CheckpointError
   manifest = _read_manifest(path)
-  hc = checkpoint_lib._config(manifest, path / MANIFEST, HeadConfig.from_dict)
+  hc = checkpoint_lib.config_from_manifest(manifest, path / MANIFEST, HeadConfig.from_dict)
   blob = (path / PARAMS).read_bytes() if (path / PARAMS).is_file() else b""
   if hashlib.sha256(blob).hexdigest() != manifest["params_sha256"]:
     raise err(f"head file {path / PARAMS} is missing, truncated or corrupt")
   stored = np.load(io.BytesIO(blob), allow_pickle=False)
   reference = jax.eval_shape(lambda: init_params(hc))
   leaves, treedef = jax.tree_util.tree_flatten_with_path(reference)
-  checkpoint_lib.check_param_names([checkpoint_lib._key(p) for p, _ in leaves],
+  checkpoint_lib.check_param_names([checkpoint_lib.param_key(p) for p, _ in leaves],
                                    manifest["params"], stored.files, f"head {path}")
   out = []
   for p, ref in leaves:
-    key = checkpoint_lib._key(p)
-    arr = checkpoint_lib._as_stored(
-        stored[key], checkpoint_lib._stored_dtype(manifest["params"], key, path / MANIFEST),
+    key = checkpoint_lib.param_key(p)
+    arr = checkpoint_lib.as_stored(
+        stored[key], checkpoint_lib.stored_dtype(manifest["params"], key, path / MANIFEST),
         key, path)
     if arr.shape != ref.shape:
       raise err(f"head {path}: {key} has shape {arr.shape}, config needs {ref.shape}")

@@ -61,3 +61,12 @@ def write(buffer: jax.Array, new: jax.Array, start: jax.Array, count=None) -> ja
     return buf.at[cols].set(values.astype(buf.dtype), mode="drop")
 
   return jax.vmap(row)(buffer, new, cols)
+
+
+def compact(kv: KVState, src, dst_start, count) -> KVState:
+  """KV of slots src[b, j] (j < count[b]) moved to dst_start[b] + j, every layer."""
+  def move(buf):
+    rows = jnp.arange(buf.shape[0])[:, None]
+    picked = buf[rows, :, jnp.clip(src, 0, buf.shape[2] - 1)]  # [B, J, H, D]
+    return write(buf, picked, dst_start, count)
+  return kv.replace(k=tuple(move(k) for k in kv.k), v=tuple(move(v) for v in kv.v))

@@ -25,8 +25,7 @@ def checkpoints_dir() -> Path:
   override = os.environ.get(ENV_VAR)
   if override:
     return Path(override).expanduser()
-  import specjax
-  return Path(specjax.__file__).resolve().parent.parent / "checkpoints"
+  return Path(__file__).resolve().parents[2] / "checkpoints"  # the repository's
 
 
 def _is_hf_dir(path: Path) -> bool:
@@ -51,17 +50,6 @@ def _load_dir(path: Path, dtype, mesh=None):
     from specjax.models import heads
     return heads.load_head(path, dtype)
   return checkpoint_lib.load_model(path, dtype, mesh)
-
-
-def looks_like_hub_id(name: str) -> bool:
-  """'gpt2' or 'org/name': no path syntax beyond one slash, nothing that exists locally.
-
-  The one rule for both `load_pretrained` and `specjax.hf.load_hf_model`.
-  """
-  parts = name.split("/")
-  return (len(parts) <= 2 and all(parts) and not name.startswith((".", "~"))
-          and all(c.isalnum() or c in "-_." for p in parts for c in p)
-          and not Path(name).exists())
 
 
 def load_pretrained(name_or_path: str | os.PathLike, dtype=jnp.float32, mesh=None):
@@ -111,6 +99,7 @@ def locate(name_or_path) -> Path | str:
                      "nor a Hugging Face model directory (config.json with model_type)")
   if path.exists():
     raise ValueError(f"{path} is a file; load_pretrained needs a model directory or a name")
+  from specjax.hf.files import looks_like_hub_id
   if looks_like_hub_id(name):
     return name
   raise ValueError(f"unknown model {name!r}: there is no directory {path.resolve()}, and it "
@@ -135,5 +124,5 @@ def read_config(name_or_path: str | os.PathLike):
     from specjax.models import heads
     return heads.read_head_config(where)
   from specjax.models.config import ModelConfig
-  return checkpoint_lib._config(checkpoint_lib.read_manifest(where),
+  return checkpoint_lib.config_from_manifest(checkpoint_lib.read_manifest(where),
                                 where / checkpoint_lib.MANIFEST, ModelConfig.from_dict)

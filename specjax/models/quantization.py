@@ -75,8 +75,7 @@ def quantize(model, mode: str = "int8"):
   """
   if mode not in MODES:
     raise ValueError(f"quantize mode must be one of {MODES}, got {mode!r}")
-  from specjax.models.model import Model
-  if not isinstance(model, Model):
+  if not callable(getattr(model, "with_params", None)):  # a Model (model.py imports this one)
     raise ValueError(f"quantize needs a specjax Model, got {type(model).__name__}")
   return model.with_params(_quantize_tree(model.params))
 

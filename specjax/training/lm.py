@@ -42,7 +42,7 @@ from specjax.training import data as data_lib
 
 DISTILL_KINDS = ("fkl", "rkl", "tvd")
 # optax renamed global_norm; take the new name where it exists.
-_tree_norm = getattr(optax.tree_utils, "tree_norm", None) or optax.global_norm
+tree_norm = getattr(optax.tree_utils, "tree_norm", None) or optax.global_norm
 
 
 # ----------------------------------------------------------------------------------
@@ -126,7 +126,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, teacher_g
     grads, metrics = jax.grad(loss_fn, has_aux=True)(params, inputs, targets, teacher_logits)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
-    metrics["grad_norm"] = _tree_norm(grads)
+    metrics["grad_norm"] = tree_norm(grads)
     return params, opt_state, metrics
 
   return step
@@ -137,7 +137,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, teacher_g
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _eval_batch(graphdef, params, tokens):
+def eval_batch(graphdef, params, tokens):
   logits = model_lib.forward(graphdef, params, tokens[:, :-1])
   return cross_entropy(logits, tokens[:, 1:])
 
@@ -155,7 +155,7 @@ def evaluate(graphdef, params, windows: np.ndarray, byte_lengths: np.ndarray | N
   total, count = 0.0, 0
   for i in range(0, len(windows), batch_size):
     chunk = windows[i: i + batch_size]
-    nats = np.asarray(_eval_batch(graphdef, params, jnp.asarray(chunk)), np.float64)
+    nats = np.asarray(eval_batch(graphdef, params, jnp.asarray(chunk)), np.float64)
     total += nats.sum()
     count += nats.size
   out = {"loss": total / count, "tokens": count}
@@ -313,10 +313,10 @@ def start_workdir(workdir, config) -> Path:
     if not same:  # an earlier run of another config stopped before its first checkpoint
       for name in DERIVED_FILES:
         if (workdir / name).is_file():
-          _log(f"note: {workdir / name} was made for another config; making it again")
+          log_line(f"note: {workdir / name} was made for another config; making it again")
           (workdir / name).unlink()
   workdir.mkdir(parents=True, exist_ok=True)
-  checkpoint_lib._atomic_write(
+  checkpoint_lib.atomic_write(
       workdir / "config.json",
       (config.to_json_best_effort(indent=2, sort_keys=True) + "\n").encode())
   return workdir
@@ -353,7 +353,7 @@ def check_export_dir(config, workdir, default: str = "model",
   return path
 
 
-def _load_teacher(spec: str, positions: int | None = None):
+def load_teacher(spec: str, positions: int | None = None):
   """The teacher (or a head's target) as a Model; ValueError if `spec` names a head or
   its context is shorter than the `positions` a training window feeds it."""
   from specjax.models.pretrained import load_pretrained
@@ -367,7 +367,7 @@ def _load_teacher(spec: str, positions: int | None = None):
 
 
 def _prepare_tokenizer(config, workdir: Path, corpus, teacher) -> tuple[Tokenizer, bool]:
-  """The run's tokenizer, and whether it is new (`_token_streams` saves it once the
+  """The run's tokenizer, and whether it is new (`token_streams` saves it once the
   corpus has passed its checks: a resumed run keeps the tokenizer it started with, so
   one made from a corpus that then failed must not be kept)."""
   path = workdir / "tokenizer.json"
@@ -384,7 +384,7 @@ def _prepare_tokenizer(config, workdir: Path, corpus, teacher) -> tuple[Tokenize
   return tok, True
 
 
-def _token_streams(workdir: Path, corpus, tok: Tokenizer, min_tokens: int = 1,
+def token_streams(workdir: Path, corpus, tok: Tokenizer, min_tokens: int = 1,
                    save_tokenizer: bool = False):
   """Train and held-out streams, cached in the workdir so a resume skips tokenizing.
   Both splits are checked (at least `min_tokens`, one training window) before anything
@@ -397,7 +397,7 @@ def _token_streams(workdir: Path, corpus, tok: Tokenizer, min_tokens: int = 1,
         streams[split] = np.load(cache).astype(np.int32)
         continue
       except (ValueError, OSError, EOFError):  # a cache cut short: tokenize again
-        _log(f"note: {cache} is unreadable; tokenizing {split} again")
+        log_line(f"note: {cache} is unreadable; tokenizing {split} again")
     stream = data_lib.token_stream(tok, corpus.read(split))
     if len(stream) < min_tokens:
       raise ValueError(f"config.corpus: its {split} split holds {len(stream)} tokens, fewer "
@@ -414,7 +414,7 @@ def _token_streams(workdir: Path, corpus, tok: Tokenizer, min_tokens: int = 1,
   return streams["train"], streams["heldout"]
 
 
-class _MetricsLog:
+class MetricsLog:
   """metrics.jsonl in the workdir; on resume, records past the restored step are dropped."""
 
   def __init__(self, path: Path, resume_step: int):
@@ -422,7 +422,7 @@ class _MetricsLog:
     if path.is_file():
       kept = [l for l in path.read_text().splitlines()
               if (step := _record_step(l)) is not None and step <= resume_step]
-      checkpoint_lib._atomic_write(path, "".join(l + "\n" for l in kept).encode())
+      checkpoint_lib.atomic_write(path, "".join(l + "\n" for l in kept).encode())
 
   def write(self, record: dict[str, Any]):
     with self.path.open("a") as f:
@@ -437,7 +437,7 @@ def _record_step(line: str):
     return None
 
 
-def _log(msg: str):
+def log_line(msg: str):
   print(msg, flush=True)
 
 
@@ -453,7 +453,7 @@ def train(config, workdir: str | os.PathLike) -> model_lib.Model:
   validate(config)
   cfg = model_config_from(config)
   corpus = data_lib.load_corpus(config.corpus, config.heldout_fraction)
-  teacher = _load_teacher(config.teacher, config.seq_len) if config.teacher else None
+  teacher = load_teacher(config.teacher, config.seq_len) if config.teacher else None
   if teacher is not None and teacher.config.vocab_size != cfg.vocab_size:
     raise ValueError(f"teacher vocab {teacher.config.vocab_size} != student vocab {cfg.vocab_size}")
   export_dir = check_export_dir(config, workdir)
@@ -464,7 +464,7 @@ def train(config, workdir: str | os.PathLike) -> model_lib.Model:
   if new_tokenizer:  # token caches without their tokenizer were made by another one
     for split in ("train", "heldout"):
       (workdir / f"tokens_{split}.npy").unlink(missing_ok=True)
-  train_stream, heldout_stream = _token_streams(workdir, corpus, tok, config.seq_len + 1,
+  train_stream, heldout_stream = token_streams(workdir, corpus, tok, config.seq_len + 1,
                                                 save_tokenizer=new_tokenizer)
   byte_lengths = tok.token_byte_lengths()
   eval_windows = data_lib.eval_windows(heldout_stream, config.seq_len, config.eval_windows)
@@ -491,14 +491,14 @@ def train(config, workdir: str | os.PathLike) -> model_lib.Model:
     start_step = manager.latest_step()
     abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, state)
     state = manager.restore(start_step, args=ocp.args.StandardRestore(abstract))
-    _log(f"resumed from {workdir / 'checkpoints'} at step {start_step}")
+    log_line(f"resumed from {workdir / 'checkpoints'} at step {start_step}")
   params, opt_state = state["params"], state["opt_state"]
   elapsed = float(state["elapsed_s"])
-  metrics_log = _MetricsLog(workdir / "metrics.jsonl", start_step)
+  metrics_log = MetricsLog(workdir / "metrics.jsonl", start_step)
 
   n_params = model_lib.count_params(params)
   tokens_per_step = config.batch_size * config.seq_len
-  _log(f"model {n_params:,} params, {cfg}\n"
+  log_line(f"model {n_params:,} params, {cfg}\n"
        f"corpus {config.corpus}: {len(train_stream):,} train / {len(heldout_stream):,} "
        f"held-out tokens; {tokens_per_step} tokens/step, {config.steps} steps")
 
@@ -518,7 +518,7 @@ def train(config, workdir: str | os.PathLike) -> model_lib.Model:
       record.update({f"eval/{k}": rates[k] for k in ("alpha_t0", "alpha_t1")})
       agree = f"  alpha T=0 {rates['alpha_t0']:.4f}  T=1 {rates['alpha_t1']:.4f}"
     metrics_log.write(record)
-    _log(f"step {step:6d}  eval loss {result['loss']:.4f}  bits/byte "
+    log_line(f"step {step:6d}  eval loss {result['loss']:.4f}  bits/byte "
          f"{result['bits_per_byte']:.4f}{agree}")
     return result
 
@@ -537,7 +537,7 @@ def train(config, workdir: str | os.PathLike) -> model_lib.Model:
                 "elapsed_s": elapsed, **{f"train/{k}": v for k, v in metrics.items()}}
       metrics_log.write(record)
       extra = f"  distill {metrics['distill']:.4f}" if "distill" in metrics else ""
-      _log(f"step {done:6d}/{config.steps}  loss {metrics['loss']:.4f}{extra}  "
+      log_line(f"step {done:6d}/{config.steps}  loss {metrics['loss']:.4f}{extra}  "
            f"grad {metrics['grad_norm']:.3f}  lr {record['lr']:.2e}  "
            f"{rate:,.0f} tok/s  {elapsed / 60:.1f} min")
       window_t0, window_steps = time.time(), 0
@@ -559,7 +559,7 @@ def train(config, workdir: str | os.PathLike) -> model_lib.Model:
   checkpoint_lib.save_model(export_dir, cfg, params, tok,
                             dtype=jnp.dtype(config.export_dtype) if config.export_dtype else None,
                             metadata=meta)
-  _log(f"exported to {export_dir}: {json.dumps(meta)}")
+  log_line(f"exported to {export_dir}: {json.dumps(meta)}")
   return model_lib.Model(cfg, params, tok)
 
 

@@ -3,7 +3,7 @@
   exact.py   the lossless rule (accept min(1, p/q), else sample [p - q]+; bonus from p)
   rules.py   research rules beside it (typical, threshold, synthetic), none lossless
 
-Tree rounds walk the same rule down a token tree (`specjax.trees.walk`).
+  tree.py    the walk down a token tree (the node rules) and the accepted path's KV compaction
 """
 
 from specjax.verify.exact import ExactRule, acceptance_prob, residual, verify

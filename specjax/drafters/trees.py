@@ -1,0 +1,244 @@
+"""Tree drafters: a token tree of candidates per round instead of a chain.
+
+`TreeModelDrafter` (a draft model, depth by depth with a tree mask), `NgramTreeDrafter`
+(prompt lookup: distinct continuations of several earlier matches, as a trie cut to the
+tree's shape) and `TreeMedusaDrafter` (Medusa heads: head d drafts every node at depth
+d, in one head pass). Sampled children are drawn without replacement
+(`sample_distinct`), so siblings never repeat a token and the walk
+(`specjax.verify.tree`) stays exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.drafters.heads import MedusaDrafter, MedusaState
+from specjax.drafters.model import ModelDrafter
+from specjax.drafters.ngram import NgramDrafter
+from specjax.models import heads as heads_lib
+from specjax.models import kv_cache
+from specjax.models import model as model_lib
+from specjax.processors import history as processors
+from specjax.trees import Tree
+
+
+def sample_distinct(key, q, logits, k):
+  """k distinct children per row of q [..., V]: draws without replacement, in draw order.
+
+  Gumbel-top-k (Kool et al. 2019): the top k of log q + Gumbel noise are a sequential
+  sample without replacement from q. Once q's support is used up, the rest are the
+  best remaining `logits`, fixed tokens that the walk judges with the point-mass rule.
+  """
+  inside = q > 0
+  noise = jax.random.gumbel(key, q.shape, jnp.float32)
+  drawn = jax.lax.top_k(jnp.where(inside, jnp.log(jnp.where(inside, q, 1.0)) + noise,
+                                  -jnp.inf), k)[1]
+  rest = jax.lax.top_k(jnp.where(inside, -jnp.inf, logits.astype(jnp.float32)), k)[1]
+  j = jnp.arange(k)
+  support = jnp.sum(inside, axis=-1, keepdims=True)  # the first `support` picks are draws
+  fill = jnp.take_along_axis(rest, jnp.clip(j - support, 0, k - 1), axis=-1)
+  return jnp.where(j < support, drawn, fill).astype(jnp.int32)
+
+
+def draw_children(sample_mode, key, logits, sampling, k, history):
+  """k candidate children per frontier node: logits [B, F, V] -> [B, F, k], q [B, F, V].
+
+  `history` ([B, F, ...] or None): the processors' history of each frontier node's
+  prefix (committed + its root-to-node path), so q is processed like the target's p."""
+  if history is not None:
+    logits = jax.vmap(sampling.adjust, in_axes=(1, 1), out_axes=1)(logits, history)
+  q = sampling.process(logits)
+  top = lambda: jax.lax.top_k(logits, k)[1].astype(jnp.int32)
+  if sample_mode == "greedy":
+    return top(), q
+
+  def draws():  # distinct draws from q (without replacement); T = 0 rows: the top-k
+    return sample_distinct(key, q, logits, k)
+
+  # At T = 0 q is a point mass: its one draw is the argmax and the rest fall back to the
+  # draft's next-best logits, which is the top-k. The walk judges those with the
+  # point-mass rule once q's support is used up, so they stay exact.
+  return jax.lax.cond(jnp.all(sampling.temperature <= 0), top, draws), q
+
+
+def _frontier_history(sampling):
+  """The committed prefix's processor history as a one-node frontier [B, 1, ...]; or None."""
+  if sampling.history is None or not sampling.has_processors:
+    return None
+  return jax.tree_util.tree_map(lambda x: x[:, None], sampling.history)
+
+
+def _level(tree, level, frontier_nodes, sample_mode, key, frontier, sampling, history,
+           node_tokens, node_q):
+  """Draws one level's nodes from their parents' frontier logits; returns the level's
+  tokens [B, count], the nodes, and node_tokens / node_q / history updated."""
+  first, count = tree.levels[level]
+  nodes = list(range(first, first + count))
+  where = [frontier_nodes.index(tree.parents[i]) for i in nodes]  # parent's column
+  width = max(tree.ranks[i] for i in nodes) + 1
+  cands, q = draw_children(sample_mode, key, frontier, sampling, width, history)  # [B, F, k]
+  ys = cands[:, where, [tree.ranks[i] for i in nodes]]  # [B, count]
+  node_tokens = node_tokens.at[:, first:first + count].set(ys)
+  node_q = node_q.at[:, first:first + count].set(q[:, where])
+  if history is not None and level + 1 < len(tree.levels):
+    # each new node: its parent's history + its own token
+    history = processors.advance_each(
+        sampling.pcfg, sampling.procs,
+        jax.tree_util.tree_map(lambda x: x[:, np.asarray(where)], history), ys)
+  return ys, nodes, node_tokens, node_q, history
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeModelDrafter(ModelDrafter):
+  """The model drafter, growing a tree depth by depth: one cached pass per depth scores
+  the whole frontier with a tree mask. `gamma` is the tree's depth (positions that can be
+  accepted); the proposal is N node tokens with, per node, the q it was drawn from."""
+
+  tree: Tree | None = None
+
+  def propose(self, params, kv, tokens, n, key, sampling):
+    tree = self.tree
+    logits, kv = self._catch_up(params, kv, tokens, n)  # kv.length = n: pending has KV
+    b, vocab = tokens.shape[0], logits.shape[-1]
+    node_tokens = jnp.zeros((b, tree.num_nodes), jnp.int32)
+    node_q = jnp.zeros((b, tree.num_nodes, vocab), jnp.float32)
+    frontier, frontier_nodes = logits[:, None], [-1]  # draft logits at the frontier
+    history = _frontier_history(sampling)  # the frontier's processor histories, [B, F, ...]
+    rel = jnp.arange(kv.size)[None, :] - n[:, None]  # [B, S]: slot - n = node index
+    strict = tree.ancestors[1:, 1:] & ~np.eye(tree.num_nodes, dtype=bool)
+    for level in range(len(tree.levels)):
+      key, sub = jax.random.split(key)
+      ys, nodes, node_tokens, node_q, history = _level(
+          tree, level, frontier_nodes, self.sample_mode, sub, frontier, sampling, history,
+          node_tokens, node_q)
+      if level + 1 == len(tree.levels):
+        break
+      # Feed this level: node i at slot n + i, position n - 1 + depth; it sees the
+      # committed history and its own ancestors, never a sibling branch.
+      first, count = tree.levels[level]
+      anc = jnp.asarray(strict[nodes])[:, jnp.clip(rel, 0, tree.num_nodes - 1)]  # [c, B, S]
+      sees = (rel < 0)[:, None, :] | ((rel < tree.num_nodes)[:, None, :]
+                                      & jnp.moveaxis(anc, 0, 1))
+      positions = jnp.broadcast_to(n[:, None] + level, (b, count))
+      frontier, step_kv = model_lib.forward_cached(
+          self.graphdef, params, ys, kv.rollback(n + first), positions=positions,
+          mask=(jnp.eye(count, dtype=bool), sees))
+      kv = step_kv.rollback(n)
+      frontier_nodes = nodes
+    return node_tokens, node_q, kv
+
+  def rollback(self, kv, n, features=None, start=None, path=None):
+    """Moves the accepted path's KV (nodes fed at slots start+1+i) to contiguous slots."""
+    if path is None:  # nothing accepted (cost measurements): the committed history only
+      return super().rollback(kv, n)
+    fed = min(self.tree.depth - 1, path.shape[1])
+    if fed:
+      src = start[:, None] + 1 + jnp.maximum(path[:, :fed], 0)
+      kv = kv_cache.compact(kv, src, start + 1, jnp.sum(path[:, :fed] >= 0, axis=1))
+      kv = kv.rollback(start + 1 + jnp.sum(path[:, :fed] >= 0, axis=1))
+    return kv.rollback(jnp.minimum(kv.length, n - 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class NgramTreeDrafter(NgramDrafter):
+  """Prompt lookup as a tree: several earlier matches, several continuations.
+
+  The best `candidates` earlier matches of the suffix (max_n..min_n tokens) are candidate
+  continuations, wrapping periodically past the end as in the chain; they form a trie, cut to
+  the static tree: a node's children are the distinct next tokens of the candidates that
+  agree with its root-to-node path, best match first (longest, then most recent). The
+  leftmost path is the chain's proposal. A child with no candidate left repeats its
+  parent's token (the chain's no-match proposal; harmless). Children are fixed tokens, so
+  the walk uses the point-mass rule (`sample_mode = 'greedy'`), q is one-hot.
+  """
+
+  tree: Tree | None = None
+  candidates: int = 32  # the best matches considered (a trie over their continuations)
+  sample_mode = "greedy"  # deterministic children: the point-mass node rule
+
+  @property
+  def sizes_drafts(self) -> bool:  # a tree has a fixed shape
+    return False
+
+  def _propose_row(self, tokens, n):
+    tree = self.tree
+    score = self._scores(tokens, n)  # [S]
+    m = min(self.candidates, tokens.shape[0])
+    score, start = jax.lax.top_k(score, m)  # the m best matches, best first
+    period = jnp.maximum(n - start, 1)
+    cont = jnp.take(tokens, start[:, None] + jnp.arange(tree.depth)[None, :]
+                    % period[:, None], mode="clip")  # [m, depth]
+    member = (score >= 0)[None, :]  # [F, m]: candidates agreeing with each frontier path
+    front_tokens = jnp.take(tokens, n - 1, mode="clip")[None]  # [F]: the root's token
+    earlier = np.tril(np.ones((m, m), bool), -1).T  # [c', c]: c' ranks before c
+    frontier_nodes = [-1]
+    out = []
+    for d, (first, count) in enumerate(tree.levels):
+      nodes = list(range(first, first + count))
+      where = np.asarray([frontier_nodes.index(tree.parents[i]) for i in nodes])
+      ranks = np.asarray([tree.ranks[i] for i in nodes])
+      nxt = cont[:, d]
+      # A candidate opens a child if no better member of the same node has its next token.
+      shadow = (nxt[:, None] == nxt[None, :]) & earlier  # [c', c]
+      dup = (member.astype(jnp.int32) @ shadow.astype(jnp.int32)) > 0
+      opens = member & ~dup  # [F, m]
+      rank = jnp.cumsum(opens, axis=1) - 1
+      pick = opens[where] & (rank[where] == ranks[:, None])  # [count, m]
+      found = jnp.any(pick, axis=1)
+      ys = jnp.where(found, nxt[jnp.argmax(pick, axis=1)], front_tokens[where])
+      out.append(ys)
+      member = member[where] & found[:, None] & (nxt[None, :] == ys[:, None])
+      front_tokens, frontier_nodes = ys, nodes
+    return jnp.concatenate(out)
+
+  def propose(self, params, state, tokens, n, key, sampling):
+    y = jax.vmap(self._propose_row)(tokens, n).astype(jnp.int32)  # [B, N]
+    return y, jax.nn.one_hot(y, self.vocab_size, dtype=jnp.float32), state
+
+  def rollback(self, state, n, features=None, start=None, path=None):
+    return state
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeMedusaDrafter(MedusaDrafter):
+  """Medusa heads as a tree: the children of a node at depth d come from head d+1's
+  distribution (head 1 for the root's), processed with that node's path history; drawn
+  without replacement, or the top-k, as for the model's tree. All heads read the same
+  committed feature, so one head pass drafts the whole tree. `gamma` is the depth."""
+
+  tree: Tree | None = None
+
+  def propose(self, params, state, tokens, n, key, sampling):
+    tree = self.tree
+    logits = heads_lib.medusa_apply(self.config, params, state.feature)  # [B, K, V]
+    b, vocab = logits.shape[0], logits.shape[-1]
+    node_tokens = jnp.zeros((b, tree.num_nodes), jnp.int32)
+    node_q = jnp.zeros((b, tree.num_nodes, vocab), jnp.float32)
+    frontier_nodes, history = [-1], _frontier_history(sampling)
+    for level in range(len(tree.levels)):
+      key, sub = jax.random.split(key)
+      frontier = jnp.broadcast_to(logits[:, level, None], (b, len(frontier_nodes), vocab))
+      _, frontier_nodes, node_tokens, node_q, history = _level(
+          tree, level, frontier_nodes, self.sample_mode, sub, frontier, sampling, history,
+          node_tokens, node_q)
+    return node_tokens, node_q, state
+
+  def rollback(self, state, n, features=None, start=None, path=None):
+    """Keeps the feature of the last accepted node (the root's when none was), which
+    predicts the next pending token, as the chain keeps f_{n-2}."""
+    if path is None:  # nothing accepted (cost measurements)
+      return super().rollback(state, n, features, start)
+    accepted = n - 2 - start  # < 0: the row committed nothing this round
+    last = jnp.take_along_axis(path, jnp.clip(accepted - 1, 0, path.shape[1] - 1)[:, None],
+                               axis=1)[:, 0]
+    new = self._take(features, jnp.where(accepted > 0, 1 + last, 0))  # [pending, nodes]
+    return MedusaState(feature=jnp.where((accepted >= 0)[:, None], new, state.feature))
+
+
+def _span(level):
+  first, count = level
+  return first, first + count
