@@ -157,7 +157,7 @@ def make_drafter(target: Model, draft: Model | None, drafter: str | None, gamma:
   return drafters_lib.ModelDrafter(config=draft.config, gamma=gamma, sample_mode=draft_sample)
 
 
-# Draft tokenizers seen to agree with a target's (a check costs ~0.5 ms: once per pair).
+# Draft tokenizers seen to agree with a target's: the check decodes dozens of ids, once per pair.
 _AGREE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 

@@ -4,9 +4,9 @@ One round (γ ≥ 0; γ = 0 is plain autoregressive decoding), numbered as in
 docs/ARCHITECTURE.md:
   1. draft: the drafter proposes y_1..y_γ with their distributions q (inside the jit);
   2. verify pass: the target scores [x_{n-1}, y_1..y_γ] in one cached pass -> p_1..p_{γ+1};
-  3. verify rule: `engine.rule` (for a chain; `policy.settle` then applies the row's
-     draft length) or `verify.tree.walk_batch` (for a tree) accepts a prefix per row and draws
-     the correction/bonus token;
+  3. verify rule: the candidates' layout (`verify.layouts`: a chain runs `engine.rule`,
+     then `policy.settle` applies the row's draft length; a tree walks down from its
+     root) accepts a path per row and draws the correction/bonus token;
   4. commit: the accepted prefix plus that token, cut by the budget, the context limit
      and stop sequences;
   5. rollback: both caches return to the committed history; the token just committed
@@ -32,7 +32,7 @@ from specjax import policies
 from specjax import distribute
 from specjax.processors import history as processors
 from specjax import trees
-from specjax.verify import tree as tree_verify
+from specjax.verify import layouts
 from specjax.models.config import ModelConfig
 from specjax.processors.sampling import Sampling
 from specjax.verify.exact import ExactRule
@@ -289,32 +289,6 @@ def _verify_pass(engine: Engine, params, tokens, kv, lengths, done, narrow, **la
   return pad(logits), kv, pad(features), live - 1
 
 
-def _per_prefix(sampling: Sampling, history, tokens):
-  """Processor histories of history + tokens[:, :i] for every i, [B, T+1, ...]; or None."""
-  if history is None:
-    return None
-  return processors.prefix_histories(sampling.pcfg, sampling.procs, history, tokens)
-
-
-def _per_node(sampling: Sampling, history, tokens, tree):
-  """Processor histories of a tree's nodes, [B, N+1, ...] (0: the committed prefix, i+1:
-  it + node i's root-to-node path); or None."""
-  if history is None:
-    return None
-  return processors.tree_histories(sampling.pcfg, sampling.procs, history, tokens,
-                                   tree.parents)
-
-
-def _before_each(path):
-  """int32[B, γ+1]: for a tree, the round's prefix (the index into its per-node bans and
-  histories) before each committed candidate: the accepted path's nodes (node i is at
-  i + 1, the root at 0, as is -1 past the path), exact up to the accepted count a, which
-  is all the commit reads. None for a chain, whose candidate j follows prefix j."""
-  if path is None:
-    return None
-  return jnp.concatenate([jnp.zeros_like(path[:, :1]), path + 1], axis=1)
-
-
 def _first_blocked(banned, n_accepted, before, default):
   """int32[B]: the first committed prefix (after 0..a tokens) where the processors ban
   every token, else `default`, from the bans p was processed with ([B, prefixes, V]).
@@ -345,68 +319,44 @@ def _logprobs(logits, before, new, top: int) -> Logprobs:
 def decode_round(engine: Engine, weights: Weights, state: DecodeState,
                  sampling: Sampling) -> DecodeState:
   """One draft + verify round for every row: a pure function of its inputs."""
-  drafter = engine.drafter
-  tree = getattr(drafter, "tree", None)  # a token tree's static shape; None for a chain
+  drafter, policy = engine.drafter, engine.policy
+  layout = layouts.for_drafter(drafter)  # a chain or a token tree (static)
   key, draft_key, verify_key = jax.random.split(state.key, 3)
 
-  # 1. Draft (an adaptive γ policy lets each row stop early: `specjax.policies`).
-  policy = engine.policy
-  # Whether step 2's pass will compute only the longest draft (static): a policy may
-  # price a round by its width.
-  narrow = tree is None and narrows(engine, weights.target, state.target_kv,
-                                    drafter.gamma + 1)
+  # 1. Draft (an adaptive γ policy lets each row stop early: `specjax.policies`). Whether
+  # step 2's pass computes only the longest draft is static: a policy may price by it.
+  narrow = layout.narrowable and narrows(engine, weights.target, state.target_kv,
+                                         drafter.gamma + 1)
   ys, qs, draft_state, lengths, steps = policy.draft(
       drafter, weights.draft, state, draft_key, sampling.replace(history=state.history),
       narrow)
+
   # 2. Verify pass: the pending token and the γ drafts (or every tree node), one call.
+  # Position i is processed with the history of the committed prefix + y_1..y_{i-1} (a
+  # tree node: + its root-to-node path); the commit reads the same histories.
   pending = jnp.take_along_axis(state.tokens, (state.n - 1)[:, None], axis=1)
-  layout = {} if tree is None else tree_verify.verify_layout(tree, state.n)
   logits, target_kv, features, width = _verify_pass(
       engine, weights.target, jnp.concatenate([pending, ys], axis=1), state.target_kv,
-      lengths, state.done, narrow, **layout)
-  # Position i is processed with the history of the committed prefix + y_1..y_{i-1};
-  # a tree node with the committed prefix + the tokens on its root-to-node path. The
-  # commit reads the same histories. (Stop strings alone change no logits.)
-  prefixes = (_per_prefix(sampling, state.history, ys) if tree is None
-              else _per_node(sampling, state.history, ys, tree))
-  banned = None
-  if not sampling.pcfg.adjusts:
-    ps = sampling.process(logits)
-  else:
-    if sampling.pcfg.bans:  # kept: the commit ends a row at a prefix that bans everything
-      banned = jax.vmap(functools.partial(processors.banned, sampling.pcfg, sampling.procs),
-                        in_axes=1, out_axes=1)(prefixes)
-    ps = jax.vmap(sampling.process, in_axes=(1, 1, 1), out_axes=1)(logits, prefixes, banned)
-  # 3. Verify rule, one row at a time.
+      lengths, state.done, narrow, **layout.pass_layout(state.n))
+  prefixes = layout.prefixes(sampling, state.history, ys)
+  ps, banned = _target_dists(sampling, logits, prefixes)
+
+  # 3. Verify rule, one row at a time: the accepted path and the correction/bonus token.
   row_keys = jax.vmap(jax.random.fold_in, (None, 0))(verify_key, jnp.arange(ys.shape[0]))
-  siblings = path = None
-  if tree is None:
-    n_accepted, next_token, overlap = engine.rule(row_keys, ys, qs, ps)
-    n_accepted, next_token = policy.settle(n_accepted, next_token, ps, lengths, verify_key)
-  else:  # walk down from the root; ys becomes the accepted path's tokens
-    n_accepted, next_token, overlap, path, siblings = tree_verify.walk_batch(
-        row_keys, ys, qs, ps, tree, drafter.sample_mode == "greedy")
-    ys = jnp.take_along_axis(ys, jnp.maximum(path, 0), axis=1)
-  # 4. Commit y_1..y_a and the correction/bonus token (at index a).
+  n_accepted, next_token, overlap, path, siblings, ys = layout.verify(
+      engine, row_keys, ys, qs, ps, lengths, verify_key)
+
+  # 4. Commit y_1..y_a and the correction/bonus token (at index a), cut by the budget,
+  # the context, stops and a prefix where the processors ban every token.
   idx = jnp.arange(drafter.gamma + 1)[None, :]
   new = jnp.where(idx == n_accepted[:, None], next_token[:, None],
                   jnp.concatenate([ys, next_token[:, None]], axis=1))  # [B, γ+1]
-  room = room_left(state.n, state.prompt_len, sampling.max_new, engine.target.max_len,
-                   state.tokens.shape[1], new.shape[1] if tree is None else tree.num_nodes + 1)
-  hits = stop_hits(state.tokens, state.n, state.prompt_len, new, sampling.stop_seqs,
-                   sampling.stop_lens)
-  before = _before_each(path)  # the prefix before new[:, j] (None: j)
-  if prefixes is not None:
-    light = prefixes if before is None else processors.at(prefixes, before, counts=False)
-    if sampling.pcfg.min_new:
-      hits &= processors.past_min_new(sampling.procs, light)
-    if sampling.pcfg.constraint:  # a finished constrained text stops like a stop sequence
-      hits |= processors.terminal(sampling.procs,
-                                  processors.fsm_after(sampling.procs, light.fsm, new))
-    if sampling.pcfg.stop_text:  # stop strings, matched on the text
-      hits |= processors.stop_string_hits(sampling.procs, light, new)
-  budget = room
-  if banned is not None:  # a prefix where every token is banned ends the row there
+  before = layout.before_each(path)  # the prefix before new[:, j] (None: j)
+  budget = room_left(state.n, state.prompt_len, sampling.max_new, engine.target.max_len,
+                     state.tokens.shape[1], layout.slots())
+  hits = _stops(sampling, state, new, prefixes, before)
+  room = budget
+  if banned is not None:
     room = jnp.minimum(room, _first_blocked(banned, n_accepted, before, room))
   count, stop, at_hit = commit_count(n_accepted, room, hits, state.done)
   at_stop = at_hit | (stop & (room < budget) & ~state.done)  # else at the budget
@@ -417,14 +367,12 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
     logprobs = logprobs.write(_logprobs(scores, before, new, engine.top_logprobs), state.n,
                               count)
   n = state.n + count
+
   # 5. Rollback both caches (and the processors' history) to the committed history.
   history = None if prefixes is None else processors.committed(
       sampling.pcfg, sampling.procs, prefixes, before, new, count)
-  if tree is None:
-    draft_state = drafter.rollback(draft_state, n, features, state.n - 1)
-  else:  # the accepted path's KV moves into contiguous slots; other branches are dropped
-    target_kv = tree_verify.compact_path(target_kv, state.n - 1, path, n_accepted)
-    draft_state = drafter.rollback(draft_state, n, features, state.n - 1, path=path)
+  target_kv, draft_state = layout.rollback(drafter, target_kv, draft_state, n, features,
+                                           state.n - 1, path, n_accepted)
   return state.replace(
       history=history, logprobs=logprobs,
       tokens=tokens, n=n, done=state.done | stop, stopped=state.stopped | at_stop,
@@ -434,6 +382,39 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
       stats=update_stats(state.stats, ~state.done, n_accepted, count, overlap, lengths,
                          siblings, width),
       **policy.carry(state, lengths, n_accepted, steps, drafter.gamma))
+
+
+def _target_dists(sampling: Sampling, logits, prefixes):
+  """p at every candidate position, processed with its prefix's history; and the bans
+  ([B, prefixes, V]) where a processor bans tokens (the commit ends a row at a prefix
+  that bans every token), else None."""
+  if not sampling.pcfg.adjusts:
+    return sampling.process(logits), None
+  banned = None
+  if sampling.pcfg.bans:
+    banned = jax.vmap(functools.partial(processors.banned, sampling.pcfg, sampling.procs),
+                      in_axes=1, out_axes=1)(prefixes)
+  return jax.vmap(sampling.process, in_axes=(1, 1, 1), out_axes=1)(logits, prefixes,
+                                                                   banned), banned
+
+
+def _stops(sampling: Sampling, state: DecodeState, new, prefixes, before):
+  """bool[B, γ+1]: committing new[:, :j+1] completes a stop: an EOS or token-id stop
+  sequence, a stop string (on the text), or a finished constraint; none completed
+  within min_new_tokens but EOS and one-token stops (banned there instead)."""
+  hits = stop_hits(state.tokens, state.n, state.prompt_len, new, sampling.stop_seqs,
+                   sampling.stop_lens)
+  if prefixes is None:
+    return hits
+  light = prefixes if before is None else processors.at(prefixes, before, counts=False)
+  if sampling.pcfg.min_new:
+    hits &= processors.past_min_new(sampling.procs, light)
+  if sampling.pcfg.constraint:  # a finished constrained text stops like a stop sequence
+    hits |= processors.terminal(sampling.procs,
+                                processors.fsm_after(sampling.procs, light.fsm, new))
+  if sampling.pcfg.stop_text:  # stop strings, matched on the text
+    hits |= processors.stop_string_hits(sampling.procs, light, new)
+  return hits
 
 
 def prefill(engine: Engine, weights: Weights, tokens, prompt_len, prompt_width, cache_size,

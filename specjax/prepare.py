@@ -131,7 +131,7 @@ class Prepared:
 
 def seed_key(seed: int):
   """`jax.random.PRNGKey(seed)` for 0 <= seed < 2**32, built on the host where it is the
-  raw threefry key [0, seed] (an eager PRNGKey cost ~0.2 ms of every call)."""
+  raw threefry key [0, seed] (an eager PRNGKey is a dispatched program of its own)."""
   if jax.config.jax_default_prng_impl == "threefry2x32" and not jax.config.jax_enable_custom_prng:
     return np.array([0, seed], np.uint32)
   return jax.random.PRNGKey(seed)

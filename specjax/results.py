@@ -96,9 +96,9 @@ def with_rates(counts: dict[str, Any]) -> dict[str, Any]:
 def on_host(tree):
   """`jax.device_get(tree)`, without its copies on a CPU.
 
-  On a CPU `np.asarray` reads a result's buffer where it lies (~1.5 µs a leaf), where
-  `device_get` first starts a copy of every leaf (~15 µs each: 0.3 ms of a `generate`
-  call's ~20 leaves, docs/CPU_VERIFY.md, "Thirteenth pass"). Off a CPU, those copies overlap: kept.
+  On a CPU `np.asarray` reads a result's buffer where it lies, where `device_get` first
+  starts a copy of every leaf, about ten times as long over a call's ~20 leaves. Off a
+  CPU, those copies overlap: kept.
   """
   leaves = jax.tree_util.tree_leaves(tree)
   if all(d.platform == "cpu" for x in leaves if isinstance(x, jax.Array) for d in x.devices()):

@@ -2,8 +2,8 @@
 
 jax lowers its Threefry-2x32 hash (every `jax.random` split, fold_in and draw) on a CPU
 as a loop of five iterations, to keep compile times down; XLA:CPU runs each iteration
-as thunks of its own, so a draw of 2048 uniforms took 43-65 µs, a quarter to a third
-of the shipped target's decode step, and each round draws several (a T > 0 draft
+as thunks of its own, so a draw costs a sizeable share of a small model's decode step
+(docs/ARCHITECTURE.md, "Why a step costs what it does"), and each round draws several (a T > 0 draft
 token, the verify rule's residual or bonus, key splits at any T). Everywhere else jax
 emits the twenty rounds unrolled, which XLA fuses into one loop over the counts.
 `use_unrolled_threefry` registers that lowering for the CPU too: the hash is the same

@@ -95,12 +95,10 @@ def loop_timer(loop, *args, many: int, few: int | None = None,
 
   Each run times `few` iterations (default many // 4), `many`, and `few` again, and
   differences the long run and the faster short one, so what a call costs besides its
-  iterations cancels: dispatch, copying the arguments into the loop's carry (0.16 ms a
-  call for the shipped draft's forward loop, 0.26 ms for the target's, at count 0),
-  and the first few dozen iterations of every call running up to ~10% slower than
-  later ones. Undifferenced, that read a 64-iteration loop of the target's 181 us steps
-  as 200 us a step and a 16-call loop of the draft's proposals ~30 us a call long; a
-  decode call pays it once, not every round. `many` and `few` grow together (up to
+  iterations cancels: dispatch, copying the arguments into the loop's carry, and the
+  first few dozen iterations of every call running slower than later ones. Undifferenced,
+  that overstates a short loop's step by a tenth or more; a decode call pays it once,
+  not every round. `many` and `few` grow together (up to
   64-fold) until a run of `many` takes min_seconds (0: as given): a fast loop's
   difference would otherwise be within the call's own jitter (a tiny model's could come
   out below 0). A run whose difference is <= 0 was disturbed and is timed again, up to

@@ -19,6 +19,7 @@ from specjax.models.config import ModelConfig
 from specjax.models.model import init_model
 from specjax.training import data
 from specjax.training import lm as train_lib
+from specjax.training import workdir as workdir_lib
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ModelConfig.llama(vocab_size=32, d_model=32, n_layers=1, n_heads=2, max_len=32,
@@ -227,7 +228,7 @@ def test_a_workdir_resumes_only_its_own_run(corpus_dir, tmp_path):
         train_configs.get_config("tiny").model, n_heads=1)), run)
   assert (run / "config.json").read_text() == saved  # the run it holds is still described
   # Its length, cadence and export may change (a longer run continues the schedule).
-  train_lib.check_resume(run, _tiny_config(corpus_dir, steps=8, eval_every=4))
+  workdir_lib.check_resume(run, _tiny_config(corpus_dir, steps=8, eval_every=4))
 
 
 def test_an_export_over_another_kind_of_checkpoint_is_refused(corpus_dir, tmp_path):
@@ -249,20 +250,20 @@ def test_an_export_replaces_only_this_workdirs_own(corpus_dir, tmp_path, monkeyp
   config = _tiny_config(corpus_dir, teacher="stdlib-target",
                         export_dir=str(shipped / "stdlib-target"))
   with pytest.raises(ValueError, match="the teacher's own directory"):
-    train_lib.check_export_dir(config, tmp_path / "run")
+    workdir_lib.check_export_dir(config, tmp_path / "run")
   config = _tiny_config(corpus_dir, export_dir=str(shipped / "stdlib-target"))
   with pytest.raises(ValueError, match="this workdir did not export .no workdir recorded"):
-    train_lib.check_export_dir(config, tmp_path / "run")
+    workdir_lib.check_export_dir(config, tmp_path / "run")
   mine = tmp_path / "mine"
   checkpoint.save_model(mine, model.config, model.params,
                         metadata={"workdir": str((tmp_path / "run").resolve())})
   config = _tiny_config(corpus_dir, export_dir=str(mine))
-  assert train_lib.check_export_dir(config, tmp_path / "run") == mine.resolve()
+  assert workdir_lib.check_export_dir(config, tmp_path / "run") == mine.resolve()
   with pytest.raises(ValueError, match=f"did not export .from {tmp_path / 'run'}"):
-    train_lib.check_export_dir(config, tmp_path / "other")
+    workdir_lib.check_export_dir(config, tmp_path / "other")
   # The run's default export (WORKDIR/model) is its own, recorded or not (older runs).
   checkpoint.save_model(tmp_path / "old" / "model", model.config, model.params)
-  assert (train_lib.check_export_dir(_tiny_config(corpus_dir), tmp_path / "old")
+  assert (workdir_lib.check_export_dir(_tiny_config(corpus_dir), tmp_path / "old")
           == (tmp_path / "old" / "model").resolve())
 
 
@@ -270,21 +271,21 @@ def test_a_workdir_is_not_a_model_and_keeps_no_stale_caches(corpus_dir, tmp_path
   model_dir = tmp_path / "model"
   checkpoint.save_model(model_dir, init_model(TINY).config, init_model(TINY).params)
   with pytest.raises(ValueError, match="is a model directory"):
-    train_lib.start_workdir(model_dir, _tiny_config(corpus_dir))
+    workdir_lib.start_workdir(model_dir, _tiny_config(corpus_dir))
   assert not (model_dir / "config.json").exists()
   # A run that stopped before its first checkpoint, under another corpus: its tokenizer
   # and token caches are made again, not reused for this config.
   run = tmp_path / "run"
   run.mkdir()
   (run / "config.json").write_text(_tiny_config("elsewhere").to_json_best_effort())
-  for name in train_lib.DERIVED_FILES:
+  for name in workdir_lib.DERIVED_FILES:
     (run / name).write_text("stale")
-  train_lib.start_workdir(run, _tiny_config(corpus_dir))
-  assert not any((run / name).exists() for name in train_lib.DERIVED_FILES)
-  for name in train_lib.DERIVED_FILES:  # the same run again (longer): kept
+  workdir_lib.start_workdir(run, _tiny_config(corpus_dir))
+  assert not any((run / name).exists() for name in workdir_lib.DERIVED_FILES)
+  for name in workdir_lib.DERIVED_FILES:  # the same run again (longer): kept
     (run / name).write_text("kept")
-  train_lib.start_workdir(run, _tiny_config(corpus_dir, steps=8))
-  assert all((run / name).read_text() == "kept" for name in train_lib.DERIVED_FILES)
+  workdir_lib.start_workdir(run, _tiny_config(corpus_dir, steps=8))
+  assert all((run / name).read_text() == "kept" for name in workdir_lib.DERIVED_FILES)
 
 
 def test_a_corpus_too_short_for_a_window_is_not_cached(tmp_path):
@@ -301,7 +302,7 @@ def test_a_corpus_too_short_for_a_window_is_not_cached(tmp_path):
 def test_metrics_cut_short_by_a_crash_are_dropped(tmp_path):
   path = tmp_path / "metrics.jsonl"
   path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"ste')
-  train_lib.MetricsLog(path, resume_step=2)
+  workdir_lib.MetricsLog(path, resume_step=2)
   assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
 
 
@@ -316,7 +317,7 @@ def test_a_tokenizer_larger_than_the_model_writes_nothing(corpus_dir, tmp_path):
   run = tmp_path / "run"
   with pytest.raises(ValueError, match=f"model vocab_size {config.vocab_size} < tokenizer's"):
     train_lib.train(config, run)
-  assert not any((run / name).exists() for name in train_lib.DERIVED_FILES)
+  assert not any((run / name).exists() for name in workdir_lib.DERIVED_FILES)
 
 
 def test_a_short_heldout_split_writes_nothing(tmp_path):
@@ -326,4 +327,4 @@ def test_a_short_heldout_split_writes_nothing(tmp_path):
   run = tmp_path / "run"
   with pytest.raises(ValueError, match="its heldout split holds"):
     train_lib.train(_tiny_config(path, seq_len=32, heldout_fraction=0.002), run)
-  assert not any((run / name).exists() for name in train_lib.DERIVED_FILES)
+  assert not any((run / name).exists() for name in workdir_lib.DERIVED_FILES)

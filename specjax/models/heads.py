@@ -231,7 +231,7 @@ def target_fingerprint(config: ModelConfig, params) -> str:
   flat = jax.tree_util.tree_flatten_with_path(shared_params(params))[0]
   leaves = [leaf for _, leaf in flat]
   # jax arrays are immutable: the same objects hash the same, so `generate` with a head
-  # skips the ~2 ms of hashing after its first call (numpy leaves could change in place).
+  # skips hashing them again after its first call (numpy leaves could change in place).
   key = tuple(id(leaf) for leaf in leaves)
   immutable = all(isinstance(leaf, jax.Array) for leaf in leaves)
   hit = _FINGERPRINTS.get(key) if immutable else None

@@ -47,7 +47,7 @@ class Sampling:
              pcfg: processors.ProcessorConfig | None = None, repeat: int = 1) -> "Sampling":
     """Scalars or [batch] values; no stop table means none (one length-0 row). repeat=n:
     each row n times over, adjacent (the rows of `n` samples a prompt)."""
-    # Built in numpy and moved in one transfer: an eager jnp op per field cost ~3 ms a call.
+    # Built in numpy and moved in one transfer: an eager jnp op per field costs a dispatch each.
     row = lambda x, dtype: np.broadcast_to(np.asarray(x, dtype), (batch,))
     if stop_seqs is None:
       stop_seqs, stop_lens = np.zeros((1, 1), np.int32), np.zeros((1,), np.int32)
@@ -60,7 +60,7 @@ class Sampling:
     if repeat > 1:
       host = map_rows(host, lambda x: np.repeat(np.asarray(x), repeat, 0))
     # Calls with the same settings share their device arrays (immutable): the transfer
-    # cost ~0.5 ms of every `generate` call, a call's whole host work being ~2 ms.
+    # was a large share of a `generate` call's host work.
     leaves, treedef = jax.tree_util.tree_flatten(host)
     leaves = [np.asarray(x) for x in leaves]
     key = (treedef, tuple((x.dtype.str, x.shape, x.tobytes()) for x in leaves))
@@ -181,7 +181,7 @@ def agreement(q_logits: jax.Array, p_logits: jax.Array) -> dict[str, jax.Array]:
   return out
 
 
-# Sorting the whole vocabulary is slow on XLA:CPU (~0.7 ms for 5 x 2048). The cut almost
+# Sorting the whole vocabulary is slow on XLA:CPU. The cut almost
 # always lies among the largest few logits, so it is found there with `lax.top_k`; rows
 # whose cut lies deeper fall back to an exact bisection over the float bit patterns.
 _HEAD = 64

@@ -35,6 +35,7 @@ from specjax.models import model as model_lib
 from specjax.processors import sampling
 from specjax.training import data as data_lib
 from specjax.training import lm as train_lib
+from specjax.training import workdir as workdir_lib
 
 
 def smooth_l1(x: jax.Array) -> jax.Array:
@@ -172,8 +173,8 @@ def train(config, workdir: str | os.PathLike) -> heads_lib.Head:
   if target.tokenizer is None:
     raise ValueError(f"target {config.teacher!r} has no tokenizer")
   corpus = data_lib.load_corpus(config.corpus, config.heldout_fraction)
-  train_lib.check_export_dir(config, workdir, "head", heads_lib.MANIFEST)
-  workdir = train_lib.start_workdir(workdir, config)
+  workdir_lib.check_export_dir(config, workdir, "head", heads_lib.MANIFEST)
+  workdir = workdir_lib.start_workdir(workdir, config)
   train_stream, heldout_stream = train_lib.token_streams(
       workdir, corpus, target.tokenizer, config.seq_len + 1, save_tokenizer=True)
   return run(config, workdir, target, train_stream, heldout_stream)
@@ -206,11 +207,11 @@ def run(config, workdir: Path, target, train_stream, heldout_stream) -> heads_li
     start_step = manager.latest_step()
     abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, state)
     state = manager.restore(start_step, args=ocp.args.StandardRestore(abstract))
-    train_lib.log_line(f"resumed from {workdir / 'checkpoints'} at step {start_step}")
+    workdir_lib.log_line(f"resumed from {workdir / 'checkpoints'} at step {start_step}")
   params, opt_state, elapsed = state["params"], state["opt_state"], float(state["elapsed_s"])
-  metrics_log = train_lib.MetricsLog(workdir / "metrics.jsonl", start_step)
+  metrics_log = workdir_lib.MetricsLog(workdir / "metrics.jsonl", start_step)
   tokens_per_step = config.batch_size * config.seq_len
-  train_lib.log_line(f"{hc.kind} head, {model_lib.count_params(params):,} own params on "
+  workdir_lib.log_line(f"{hc.kind} head, {model_lib.count_params(params):,} own params on "
                  f"target {config.teacher}; {len(train_stream):,} train tokens; "
                  f"{tokens_per_step} tokens/step, {config.steps} steps")
 
@@ -218,7 +219,7 @@ def run(config, workdir: Path, target, train_stream, heldout_stream) -> heads_li
     rates = acceptance_rate(hc, target, params, eval_windows, config.eval_batch_size)
     metrics_log.write({"step": step, "elapsed_s": elapsed,
                        **{f"eval/{k}": v for k, v in rates.items()}})
-    train_lib.log_line(f"step {step:6d}  eval alpha T=0 {rates['alpha_t0']:.4f}  "
+    workdir_lib.log_line(f"step {step:6d}  eval alpha T=0 {rates['alpha_t0']:.4f}  "
                    f"T=1 {rates['alpha_t1']:.4f}")
     return rates
 
@@ -238,7 +239,7 @@ def run(config, workdir: Path, target, train_stream, heldout_stream) -> heads_li
                          "tokens_per_s": rate, "elapsed_s": elapsed,
                          **{f"train/{k}": v for k, v in metrics.items()}})
       extra = f"  feat {metrics['feature_l1']:.4f}" if "feature_l1" in metrics else ""
-      train_lib.log_line(f"step {done:6d}/{config.steps}  loss {metrics['loss']:.4f}  ce "
+      workdir_lib.log_line(f"step {done:6d}/{config.steps}  loss {metrics['loss']:.4f}  ce "
                      f"{metrics['distill_ce']:.4f}{extra}  agree {metrics['agree']:.3f}  "
                      f"{rate:,.0f} tok/s  {elapsed / 60:.1f} min")
       window_t0, window_steps = time.time(), 0
@@ -263,5 +264,5 @@ def run(config, workdir: Path, target, train_stream, heldout_stream) -> heads_li
   export_dir = Path(config.export_dir) if config.export_dir else workdir / "head"
   heads_lib.save_head(export_dir, head,
                       dtype=jnp.dtype(config.export_dtype) if config.export_dtype else None)
-  train_lib.log_line(f"exported to {export_dir}: {json.dumps(meta)}")
+  workdir_lib.log_line(f"exported to {export_dir}: {json.dumps(meta)}")
   return head

@@ -2,6 +2,7 @@
 
   exact.py   the lossless rule (accept min(1, p/q), else sample [p - q]+; bonus from p)
   rules.py   research rules beside it (typical, threshold, synthetic), none lossless
+  layouts.py a round's candidates as a chain or a tree: pass layout, verify, commit, rollback
 
   tree.py    the walk down a token tree (the node rules) and the accepted path's KV compaction
 """
