@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 import statistics
-import subprocess
 import time
 
 import jax
@@ -274,77 +271,3 @@ def compare_samples(target, prompts, n: int, kw: dict, repeats: int) -> dict:
   return dict(call_s={k: statistics.median(v) for k, v in times.items()},
               repeated_over_n=_quartiles(ratios),
               prefill_share_of_repeated=_quartiles(shares), calls=len(ratios))
-
-
-# ----------------------------------------------------------------------------------
-# The few-row kernel outside XLA (experiments/kernel_floor.cc).
-
-KERNEL_FLOOR_SOURCE = Path(__file__).with_name("kernel_floor.cc")
-
-
-def laid_out_panels(model) -> list:
-  """Every matrix a forward multiplies through specjax's kernel, as the panels
-  `model.host_layout` lays out ([N / 16, K, 16], float32 or bfloat16)."""
-  from specjax.models import cpu_kernels
-  from specjax.models import model as model_lib
-  leaves = [leaf for leaf in jax.tree_util.tree_leaves(model_lib.host_layout(model.params))
-            if leaf.ndim == 3 and leaf.shape[2] == cpu_kernels.PANEL]
-  if not leaves:
-    raise ValueError(f"no weights laid out in panels ({cpu_kernels.status()})")
-  return leaves
-
-
-def panel_shapes(model) -> tuple[list[tuple[int, int]], bool]:
-  """[(K, N)] of `laid_out_panels`, and whether they are bfloat16 panels."""
-  leaves = laid_out_panels(model)
-  shapes = [(int(p.shape[1]), int(p.shape[0] * p.shape[2])) for p in leaves]
-  return shapes, leaves[0].dtype == jnp.bfloat16
-
-
-def llama_shapes(d_model: int, n_layers: int, d_ff: int, vocab: int) -> list[tuple[int, int]]:
-  """[(K, N)] of a Llama-shaped forward (fused qkv of 3 d_model, out, SwiGLU up [gate |
-  up] and down per layer, an untied LM head), for timing products without weights."""
-  if min(d_model, n_layers, d_ff, vocab) <= 0 or (d_model % 16) or (d_ff % 8) or (vocab % 16):
-    raise ValueError("d_model, n_layers, d_ff and vocab must be positive, d_model and vocab "
-                     f"multiples of 16, d_ff of 8; got {d_model}, {n_layers}, {d_ff}, {vocab}")
-  layer = [(d_model, 3 * d_model), (d_model, d_model), (d_model, 2 * d_ff), (d_ff, d_model)]
-  return layer * n_layers + [(d_model, vocab)]
-
-
-def build_kernel_floor(out_dir: str) -> Path:
-  """Compiles kernel_floor.cc (the kernel of specjax/models/fewrow.cc in a C++ loop) with
-  the flags specjax's own library is built with; returns the program's path."""
-  from specjax.models import cpu_kernels
-  compiler = cpu_kernels.compiler()
-  flags = [f for f in cpu_kernels._flags() if f not in ("-shared", "-fPIC")]
-  exe = Path(out_dir) / "kernel_floor"
-  done = subprocess.run([compiler, *flags, "-pthread", str(KERNEL_FLOOR_SOURCE), "-o", str(exe)],
-                        capture_output=True, text=True, timeout=600)
-  if done.returncode:
-    raise RuntimeError(f"{compiler} failed on {KERNEL_FLOOR_SOURCE.name}:\n{done.stderr[-2000:]}")
-  return exe
-
-
-def run_kernel_floor(exe: Path, shapes, bf16: bool = True, reps: int = 200,
-                     check: bool = False) -> dict:
-  """Runs the program on these (K, N) shapes. check: the first product (3 rows) against
-  a plain loop, {"max_rel_error"}; else {"peak_gflops_per_core", "macs_per_row",
-  "weight_bytes", "rows": {R: {"one_thread_us", "two_threads_us", "no_prefetch_us"}}}:
-  the weights prefetched as `cpu_kernels.PREFETCH_MIN_BYTES` says (and, no_prefetch,
-  never), two threads unless said."""
-  from specjax.models import cpu_kernels
-  env = dict(os.environ, FLOOR_REPS=str(reps), FLOOR_BF16="1" if bf16 else "0",
-             FLOOR_PREFETCH_MIN_BYTES=str(cpu_kernels.PREFETCH_MIN_BYTES))
-  if check:
-    env["FLOOR_CHECK"] = "1"
-  args = [str(v) for shape in shapes for v in shape]
-  done = subprocess.run([str(exe), *args], capture_output=True, text=True, env=env,
-                        timeout=3600, check=True)
-  out: dict = {"rows": {}}
-  for line in done.stdout.splitlines():
-    words = line.split()
-    if words[0] == "rows":
-      out["rows"][int(words[1])] = {k: float(v) for k, v in zip(words[2::2], words[3::2])}
-    else:
-      out.update({k: float(v) for k, v in zip(words[::2], words[1::2])})
-  return out

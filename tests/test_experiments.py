@@ -364,24 +364,3 @@ def test_bench_samples_times_n_against_the_prompt_repeated():
   assert out["calls"] == 2 and set(out["call_s"]) == {"n", "repeated"}
   assert out["repeated_over_n"]["median"] > 0
   assert 0 < out["prefill_share_of_repeated"]["median"]
-
-
-def test_kernel_floor_times_the_library_kernel(tmp_path):
-  # The C++ loop runs fewrow.cc's own kernel: its product matches a plain loop in both
-  # panel layouts, and a timing run reports every row count (one thread, two, two
-  # without prefetching).
-  from experiments import common
-  shapes, bf16 = common.panel_shapes(tiny_model(vocab=32, d_model=32, llama=True))
-  assert (32, 96) in shapes and not bf16  # qkv of d_model 32; random float32 weights
-  exe = common.build_kernel_floor(str(tmp_path))
-  for layout in (True, False):
-    check = common.run_kernel_floor(exe, [(37, 80), (64, 32)], bf16=layout, check=True)
-    assert check["max_rel_error"] < 1e-5, (layout, check)
-  got = common.run_kernel_floor(exe, shapes, reps=2)
-  assert got["macs_per_row"] == sum(k * n for k, n in shapes)
-  assert len(common.llama_shapes(64, 3, 96, 128)) == 3 * 4 + 1
-  with pytest.raises(ValueError, match="multiples of 16"):
-    common.llama_shapes(100, 2, 64, 128)
-  assert set(got["rows"]) >= set(range(1, 10))
-  assert all(min(t["one_thread_us"], t["two_threads_us"], t["no_prefetch_us"]) > 0
-             for t in got["rows"].values())
