@@ -5,6 +5,8 @@ from __future__ import annotations
 import statistics
 import time
 
+from absl import app
+from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,6 +62,13 @@ def load_pair(target_name: str, draft_name: str | None, dtype=jnp.float32):
   return target, draft
 
 
+def refuse_flags(names, why: str) -> None:
+  """An app's flags that the chosen part does not read: set, they are a mistake to name."""
+  for name in names:
+    if flags.FLAGS[name].present:
+      raise app.UsageError(f"--{name} {why}")
+
+
 def heldout_prompts(tokenizer, corpus: str | data_lib.Corpus, num_prompts: int,
                     prompt_tokens: int, seed: int = 0) -> list[list[int]]:
   """`num_prompts` windows of `prompt_tokens` tokens from distinct held-out documents of
@@ -88,6 +97,15 @@ def heldout_prompts(tokenizer, corpus: str | data_lib.Corpus, num_prompts: int,
   if not prompts:
     raise ValueError(f"no held-out document of corpus {corpus!r} has {prompt_tokens} tokens")
   return [prompts[i % len(prompts)] for i in range(num_prompts)]
+
+
+def heldout_windows(tokenizer, seq_len: int, num_windows: int) -> np.ndarray:
+  """Fixed windows of `seq_len` tokens spread over the held-out split of this
+  interpreter's stdlib: the text the shipped models' cards measure (and the tests
+  re-measure a slice of)."""
+  corpus = data_lib.load_corpus(data_lib.STDLIB, heldout_fraction=0.05)
+  stream = data_lib.token_stream(tokenizer, corpus.read("heldout"))
+  return data_lib.eval_windows(stream, seq_len, num_windows)
 
 
 def _batches(prompts, batch_size: int):
