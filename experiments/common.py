@@ -1,4 +1,4 @@
-"""Pieces the sweep and the benchmark share: models by name, prompts, timed decoding."""
+"""Pieces the apps share: models by name, held-out prompts and windows, timed decoding."""
 
 from __future__ import annotations
 
@@ -213,7 +213,7 @@ def compare_calls(target, prompts, base: dict, variants: dict[str, dict],
                   rounds: int) -> dict:
   """Whole `generate` calls of target-only (`base`) and each variant (`base` + its
   arguments), one prompt a call, each round over the prompts in an order that flips
-  from prompt to prompt (`experiments.ab_calls`).
+  from prompt to prompt (`experiments.bench --part=calls`).
 
   Returns {side: {call_s, speedup (quartiles of target-only / side), tokens_per_round,
   drafted_per_round, tokens (the new tokens of each prompt)}} and, for each variant

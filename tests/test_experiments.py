@@ -334,7 +334,7 @@ def test_tree_axis_follows_the_first_drafter(drafters, want):
   assert run_lib._tree_drafter(cfg) is None
 
 
-def test_ab_calls_compares_lossless_variants_against_target_only():
+def test_bench_calls_compares_lossless_variants_against_target_only():
   from conftest import greedy_oracle
   from experiments import common
   target = tiny_model(vocab=16, n_layers=2, seed=3, llama=True)
@@ -364,3 +364,17 @@ def test_bench_samples_times_n_against_the_prompt_repeated():
   assert out["calls"] == 2 and set(out["call_s"]) == {"n", "repeated"}
   assert out["repeated_over_n"]["median"] > 0
   assert 0 < out["prefill_share_of_repeated"]["median"]
+
+
+def test_bench_refuses_a_flag_its_part_does_not_read():
+  # One app, many parts: a flag another part reads is a mistake, named before anything runs.
+  import os
+  import subprocess
+  import sys
+  repo = Path(__file__).resolve().parents[1]
+  result = subprocess.run(
+      [sys.executable, "-m", "experiments.bench", "--part=peer", "--pairs=3"], cwd=repo,
+      env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
+      text=True, timeout=300)
+  assert result.returncode != 0
+  assert "--part=peer does not read --pairs" in result.stderr, result.stderr[-2000:]
