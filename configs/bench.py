@@ -1,7 +1,7 @@
-"""Synthetic-acceptance speed curves (experiments.bench_synthetic).
+"""Synthetic-acceptance speed curves (`python -m experiments.bench --part=synthetic`).
 
-  python -m experiments.bench_synthetic --config=configs/bench.py --workdir=runs/synth
-  python -m experiments.bench_synthetic --config=configs/bench.py:gpu --workdir=runs/synth_gpu
+  python -m experiments.bench --part=synthetic --config=configs/bench.py --out=runs/synth
+  python -m experiments.bench --part=synthetic --config=configs/bench.py:gpu --out=runs/synth_gpu
 
 Random-weight Llama-shaped target and draft; the synthetic verify rule accepts each draft
 position with probability α given the previous one was accepted (rates α^(i+1)), so

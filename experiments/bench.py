@@ -1,36 +1,206 @@
-r"""Speed benchmark: target-only vs speculative decoding on the same engine, side by side.
+r"""The speed and cost ledger: how fast is speculative decoding here, and where does the time go?
 
-  python -m experiments.bench                      # shipped pair, batch 1 and 8, T = 0 and 1
-  python -m experiments.bench --peer=transformers  # plus transformers on the same weights
+  python -m experiments.bench                          # --part=pair: shipped pair, batch 1 and 8
+  python -m experiments.bench --part=peer              # against transformers on the same weights
+  python -m experiments.bench --part=accel --out=runs/accel           # a GPU or TPU, ~6 min
+  python -m experiments.bench --part=accel --out=runs/accel --small   # tiny shapes, any backend
+  python -m experiments.bench --part=synthetic --config=configs/bench.py --out=runs/synth
+  python -m experiments.bench --part=stream --out=docs/results/stream.json
+  python -m experiments.bench --part=sharding --out=sharding.json
+  python -m experiments.bench --part=processors --out=docs/results/processors.json
+  python -m experiments.bench --part=samples --out=docs/results/samples.json
+  python -m experiments.bench --part=calls --drafter=ngram \
+      --variants='fixed={}' --variants='ledger={"gamma_policy": "ledger"}'
 
-For each (batch, temperature): tokens/s of both, the speedup, where a round's time goes
-(draft proposal, the (γ+1)-token verify pass, the rest: verification, sampling, commit,
-loop), v(γ), c, and measured / predicted speedup with the ledger's E(α̂,γ)/(γc + v(γ)).
+Every part times a method against its baseline in the same process, alternately
+(A B A B ...), and reports the median ratio with its spread. The parts:
+
+  pair        target-only vs speculative on the same engine, per (batch, T): tokens/s, the
+              speedup, a round's parts (draft proposal, the (γ+1)-token verify pass, the
+              rest), v(γ), c, measured / predicted speedup by the ledger's
+              E(α̂,γ)/(γc + v(γ)) and by whole calls; first v(γ) for γ = 1..8 with GFLOP/s.
+  peer        specjax against transformers on identical weights (`experiments/peer.py`):
+              greedy, speculative and prompt lookup on both stacks, outputs compared.
+  accel       one budgeted run on an accelerator (`experiments/accel.py`): bandwidth of a
+              1-token step against the datasheet and a copy, v(γ), the shipped pair's
+              speedups, the synthetic-acceptance grid on Llama shapes.
+  synthetic   engine speed at a chosen acceptance on random-weight models
+              (`experiments/synthetic.py`, configs/bench.py): speedup against α and γ.
+  stream      `specjax.stream` against `generate`, whole calls per prompt: stream / generate
+              and the first chunk's time, per chunk size (rounds a chunk).
+  sharding    speed on meshes of 8 (virtual CPU) devices against one device, per-device
+              memory of a Llama-3-8B shape on a (1, 8) mesh, TV distance of bfloat16 and
+              int8 from float32 (`experiments/accel.py`).
+  processors  the history-dependent processors' share of a speculative round (and three
+              tracked stop strings'): a round with them against without.
+  samples     `generate(..., n=N)` against the prompt repeated N times: the same tokens,
+              one prefill instead of N.
+  calls       whole `generate` calls of several settings (--variants) against target-only
+              and against the first variant, per prompt, interleaved.
+
+Flags left unset take the part's default (`PARTS`); a flag the part does not read is
+refused. --out is a JSON file, or a directory for accel and synthetic.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import statistics
+import time
+import types
 from pathlib import Path
 
 from absl import app
 from absl import flags
+import jax
+import jax.numpy as jnp
+from ml_collections import config_flags
 
+import specjax
 from experiments import common
 from specjax import costs
 from specjax import ledger
 
-_TARGET = flags.DEFINE_string("target", "stdlib-target", "Target model.")
-_DRAFT = flags.DEFINE_string("draft", "stdlib-draft", "Draft model.")
-_GAMMA = flags.DEFINE_integer("gamma", 4, "Draft length γ.")
-_BATCH = flags.DEFINE_list("batch", ["1", "8"], "Batch sizes.")
-_TEMPERATURE = flags.DEFINE_list("temperature", ["0", "1"], "Temperatures.")
-_NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 16, "Held-out prompts.")
-_PROMPT_TOKENS = flags.DEFINE_integer("prompt_tokens", 64, "Tokens per prompt.")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "New tokens per prompt.")
-_PAIRS = flags.DEFINE_integer("pairs", 3, "Speculative/target-only timing pairs (median kept).")
-_OUT = flags.DEFINE_string("out", None, "Write the results as JSON here.")
-_PEER = flags.DEFINE_enum("peer", None, ["transformers"], "Also time a peer library.")
+# Each part's flags and their defaults; a flag left unset takes its part's default.
+_SHIPPED = dict(target="stdlib-target", draft="stdlib-draft")
+PARTS = {
+    "pair": dict(_SHIPPED, gamma=4, batch=[1, 8], temperature=[0.0, 1.0], num_prompts=16,
+                 prompt_tokens=64, max_new_tokens=128, pairs=3, out=None),
+    "peer": dict(_SHIPPED, gamma=4, batch=[8], num_prompts=8, prompt_tokens=64,
+                 max_new_tokens=64, repeats=3, ngram_max=3, torch_threads=1, out=None),
+    "accel": dict(out="runs/accel", small=False, budget_s=420.0,
+                  stages=["machine", "bandwidth", "synthetic", "shipped"],
+                  synthetic_batches=[1, 8], synthetic_pair=["tinyllama-1.1b", "llama-68m"],
+                  shipped_reserve_s=120.0),
+    "synthetic": dict(config=None, out="runs/bench_synthetic"),
+    "stream": dict(target="stdlib-target", draft=None, drafter="model", gamma=2,
+                   temperature=[0.0], rounds_per_chunk=[1, 4, 16], num_prompts=8,
+                   prompt_tokens=64, max_new_tokens=64, repeats=3, out=None),
+    "sharding": dict(_SHIPPED, meshes=["1x8", "2x4", "8x1"],
+                     draft_placements=["replicate", "shard"], batch=[8], gamma=4,
+                     temperature=[0.0], num_prompts=8, prompt_tokens=64, max_new_tokens=64,
+                     pairs=3, tv_prompts=32, tv_tokens=128, kv_batch=8, kv_tokens=8192,
+                     rowwise_max_rows=-1, skip=[], out=None),
+    "processors": dict(_SHIPPED, gamma=4, batch=[1, 8], temperature=[0.0, 1.0],
+                       num_prompts=8, prompt_tokens=64, pairs=7,
+                       sets=["processors", "stop_strings"], out=None),
+    "samples": dict(target="stdlib-target", draft=None, drafter="ngram", gamma=4,
+                    temperature=[1.0], samples=8, num_prompts=4, prompt_tokens=192,
+                    max_new_tokens=32, repeats=3, out=None),
+    "calls": dict(target="stdlib-target", draft=None, drafter="ngram", gamma=4,
+                  temperature=[0.0], variants=["fixed={}"], num_prompts=8, prompt_tokens=64,
+                  max_new_tokens=64, repeats=5, out=None),
+}
+_BY_PART = "(default: by --part, see PARTS)"
+
+_PART = flags.DEFINE_enum("part", "pair", list(PARTS), "What to measure.")
+flags.DEFINE_string("target", None, f"Target: a shipped name, directory or hub id {_BY_PART}.")
+flags.DEFINE_string("draft", None, "Draft model or head: name, directory or hub id "
+                    f"(stream, samples, calls: the drafter's shipped one) {_BY_PART}.")
+flags.DEFINE_enum("drafter", None, ["model", "ngram", "eagle", "medusa"],
+                  f"Drafter (stream, samples, calls) {_BY_PART}.")
+flags.DEFINE_integer("gamma", None, f"Draft length γ {_BY_PART}.")
+flags.DEFINE_list("batch", None, f"Batch sizes (peer, sharding: one) {_BY_PART}.")
+flags.DEFINE_list("temperature", None, "Temperatures (stream, sharding, samples, calls: one) "
+                  f"{_BY_PART}.")
+flags.DEFINE_integer("num_prompts", None, f"Held-out prompts {_BY_PART}.")
+flags.DEFINE_integer("prompt_tokens", None, f"Tokens per prompt {_BY_PART}.")
+flags.DEFINE_integer("max_new_tokens", None, f"New tokens per prompt {_BY_PART}.")
+flags.DEFINE_integer("pairs", None, f"Timing pairs, median kept {_BY_PART}.")
+flags.DEFINE_integer("repeats", None, f"Interleaved passes over the prompts {_BY_PART}.")
+flags.DEFINE_string("out", None, "Write the results here: a JSON file, a directory for accel "
+                    f"and synthetic {_BY_PART}.")
+# peer
+flags.DEFINE_integer("ngram_max", None, "peer: longest suffix prompt lookup matches.")
+flags.DEFINE_integer("torch_threads", None, "peer: torch threads for transformers "
+                     "(0: torch's default).")
+# accel
+flags.DEFINE_bool("small", None, "accel: tiny shapes and grids (a check of the script on "
+                  "any backend).")
+flags.DEFINE_float("budget_s", None, "accel: skip stages that would start after this.")
+flags.DEFINE_list("stages", None, "accel: stages to run, in order (machine, bandwidth, "
+                  "synthetic, shipped).")
+flags.DEFINE_list("synthetic_batches", None, "accel: batch sizes of the synthetic stage.")
+flags.DEFINE_list("synthetic_pair", None, "accel: target and draft shapes of the synthetic "
+                  "stage (keys of accel.SHAPES).")
+flags.DEFINE_float("shipped_reserve_s", None, "accel: seconds of the budget the synthetic "
+                   "grid leaves for the shipped stage.")
+# synthetic
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "synthetic: the benchmark config file[:variant] (default: this "
+    "checkout's configs/bench.py; name it to override fields, --config.gamma=...).")
+BENCH_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "bench.py"
+# stream
+flags.DEFINE_list("rounds_per_chunk", None, "stream: chunk sizes.")
+# sharding
+flags.DEFINE_list("meshes", None, "sharding: meshes dp x tp.")
+flags.DEFINE_list("draft_placements", None, "sharding: how the draft is placed on a mesh "
+                  "(replicate, shard).")
+flags.DEFINE_integer("tv_prompts", None, "sharding: held-out prompts for the TV distance.")
+flags.DEFINE_integer("tv_tokens", None, "sharding: tokens per TV prompt (every position).")
+flags.DEFINE_integer("kv_batch", None, "sharding: rows of the 8B KV cache.")
+flags.DEFINE_integer("kv_tokens", None, "sharding: slots per row of the 8B KV cache.")
+flags.DEFINE_integer("rowwise_max_rows", None, "sharding: set model.CPU_ROWWISE_MAX_ROWS "
+                     "(0: off; -1: leave the default).")
+flags.DEFINE_list("skip", None, "sharding: parts to skip (memory, tv, speed).")
+# processors
+PROCESSOR_SETS = {"processors": common.PROCESSORS,
+                  # Text stop strings that the held-out continuations do not hold: tracked,
+                  # never hit, so both loops run every round.
+                  "stop_strings": dict(stop_sequences=["\n\n\n\n\n\n", "#" * 12, "\x07"])}
+flags.DEFINE_list("sets", None, f"processors: what to time against none {list(PROCESSOR_SETS)}.")
+# samples
+flags.DEFINE_integer("samples", None, "samples: samples per prompt (n).")
+# calls
+flags.DEFINE_multi_string("variants", None, "calls: name=JSON of generate keyword arguments "
+                          "over the drafter's, one flag per side.")
+
+
+def settings(part: str) -> types.SimpleNamespace:
+  """The part's settings: each flag it reads as given, else its default; a flag given that
+  the part does not read is a UsageError."""
+  given = {name for name in _FLAG_NAMES if flags.FLAGS[name].present}
+  stray = sorted(given - set(PARTS[part]))
+  if stray:
+    raise app.UsageError(f"--part={part} does not read --{', --'.join(stray)}")
+  out = {}
+  for name, default in PARTS[part].items():
+    value = getattr(flags.FLAGS, name) if name in given else default
+    if isinstance(default, list) and default and not isinstance(default[0], str):
+      value = [type(default[0])(v) for v in value]
+    out[name] = value
+  return types.SimpleNamespace(**out)
+
+
+def _one(s, name: str):
+  values = getattr(s, name)
+  if len(values) != 1:
+    raise app.UsageError(f"--part={_PART.value} takes one --{name}, got {values}")
+  return values[0]
+
+
+def _write(path: str | None, result) -> None:
+  if path:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=2, default=str) + "\n")
+
+
+def _quartiles(xs) -> dict:
+  q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
+  return {"median": statistics.median(xs), "q1": q[0], "q3": q[2]}
+
+
+def _drafter_pair(s):
+  """The target and the drafter's model ((target, None) for prompt lookup), and the
+  generate keywords that name the drafter."""
+  draft_name = s.draft or common.DEFAULT_DRAFTS.get(s.drafter)
+  target, draft = common.load_pair(s.target, draft_name)
+  return target, draft, (dict(draft=draft) if draft is not None else dict(drafter="ngram"))
+
+
+# ----------------------------------------------------------------------------------
+# pair: target-only vs speculative on the same engine.
 
 
 def bench_point(target, draft, prompts, gamma, batch, temperature, max_new, pairs):
@@ -95,7 +265,7 @@ COLUMNS = [
     ("draft", "draft_ms", ".2f"), ("verify", "verify_ms", ".2f"), ("rest", "rest_ms", ".2f"),
     ("rest %", "rest_percent", ".0f"), ("v(γ)", "v", ".2f"), ("c", "c", ".3f"),
     ("outside rounds %", "outside_rounds_percent", ".0f")]
-# The processors' share of a round is measured paired in `experiments.bench_processors`.
+# The processors' share of a round is measured paired in --part=processors.
 
 VERIFY_COLUMNS = [("γ", "gamma", "d"), ("(γ+1)-token pass ms", "pass_ms", ".3f"),
                   ("v(γ)", "v", ".2f"), ("GFLOP/s", "gflops", ".1f")]
@@ -110,32 +280,262 @@ def verify_table(target, batch: int, context: int) -> tuple[dict, str]:
   return vc, text
 
 
-def main(argv):
-  del argv
-  target, draft = common.load_pair(_TARGET.value, _DRAFT.value)
-  prompts = common.heldout_prompts(target.tokenizer, "stdlib", _NUM_PROMPTS.value,
-                                   _PROMPT_TOKENS.value)
-  report = {"machine": costs.machine_info(), "target": _TARGET.value, "draft": _DRAFT.value,
-            "max_new_tokens": _MAX_NEW.value, "num_prompts": _NUM_PROMPTS.value}
-  verify, text = verify_table(target, 1, _PROMPT_TOKENS.value + _MAX_NEW.value // 2)
+def part_pair(s):
+  target, draft = common.load_pair(s.target, s.draft)
+  prompts = common.heldout_prompts(target.tokenizer, "stdlib", s.num_prompts, s.prompt_tokens)
+  report = {"machine": costs.machine_info(), "target": s.target, "draft": s.draft,
+            "max_new_tokens": s.max_new_tokens, "num_prompts": s.num_prompts}
+  verify, text = verify_table(target, 1, s.prompt_tokens + s.max_new_tokens // 2)
   print(text, flush=True)
   report["verify_costs"] = verify
   rows = []
-  for batch in map(int, _BATCH.value):
-    for temperature in map(float, _TEMPERATURE.value):
-      rows.append(bench_point(target, draft, prompts, _GAMMA.value, batch, temperature,
-                              _MAX_NEW.value, _PAIRS.value))
+  for batch in s.batch:
+    for temperature in s.temperature:
+      rows.append(bench_point(target, draft, prompts, s.gamma, batch, temperature,
+                              s.max_new_tokens, s.pairs))
       print(common.markdown_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
   report["rows"] = rows
   print(common.markdown_table(rows, COLUMNS))
-  if _PEER.value == "transformers":
-    from experiments import peer as peer_lib
-    peer = peer_lib.run_peer_benchmark(target, draft, prompts, max_new_tokens=_MAX_NEW.value,
-                                         gamma=_GAMMA.value, batch=8)
-    print(peer_lib.format_table(peer))
-    report["peer"] = peer
-  if _OUT.value:
-    Path(_OUT.value).write_text(json.dumps(report, indent=2))
+  _write(s.out, report)
+
+
+# ----------------------------------------------------------------------------------
+# peer, accel, synthetic, sharding: the measurement lives in peer.py, accel.py, synthetic.py.
+
+
+def part_peer(s):
+  from experiments import peer
+  from specjax.models.pretrained import load_pretrained
+  target, draft = load_pretrained(s.target), load_pretrained(s.draft)
+  prompts = peer.default_prompts(target, s.num_prompts, s.prompt_tokens)
+  result = peer.run_peer_benchmark(target, draft, prompts, max_new_tokens=s.max_new_tokens,
+                                   gamma=s.gamma, batch=_one(s, "batch"),
+                                   ngram_max=s.ngram_max, repeats=s.repeats,
+                                   torch_threads=s.torch_threads)
+  print(peer.format_table(result))
+  _write(s.out, result)
+
+
+def part_accel(s):
+  from experiments import accel
+  accel.run(Path(s.out), small=s.small, budget_s=s.budget_s, stages=s.stages,
+            synthetic_batches=s.synthetic_batches, synthetic_pair=s.synthetic_pair,
+            shipped_reserve_s=s.shipped_reserve_s)
+
+
+def part_synthetic(s):
+  import importlib.util
+  from experiments import synthetic
+  cfg = _CONFIG.value
+  if cfg is None:
+    spec = importlib.util.spec_from_file_location("bench_config", BENCH_CONFIG)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = module.get_config()
+  synthetic.run(cfg, Path(s.out))
+
+
+def part_sharding(s):
+  from experiments import accel
+  from specjax.models import model as model_lib
+  # 8 host-platform devices unless XLA_FLAGS names a count: they share this machine's
+  # cores, so a mesh cannot be faster than one device for real here; the speed part
+  # measures what sharding costs in collectives and partitioned programs.
+  if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    try:
+      jax.config.update("jax_num_cpu_devices", 8)
+    except RuntimeError:  # a backend already started: the devices are what they are
+      pass
+  if s.rowwise_max_rows >= 0:
+    model_lib.CPU_ROWWISE_MAX_ROWS = s.rowwise_max_rows
+  target, draft = common.load_pair(s.target, s.draft)
+  report = {"machine": costs.machine_info(), "target": s.target, "draft": s.draft,
+            "batch": _one(s, "batch"), "gamma": s.gamma,
+            "temperature": _one(s, "temperature"), "max_new_tokens": s.max_new_tokens,
+            "cpu_rowwise_max_rows": getattr(model_lib, "CPU_ROWWISE_MAX_ROWS", None)}
+  if "memory" not in s.skip:
+    report["memory"] = [accel.memory(m, jnp.bfloat16, q, s.kv_batch, s.kv_tokens)
+                        for m in ("1x1", "1x8") for q in (False, True)]
+    for row in report["memory"]:
+      print(row, flush=True)
+  if "tv" not in s.skip:
+    tv_prompts = common.heldout_prompts(target.tokenizer, "stdlib", s.tv_prompts, s.tv_tokens,
+                                        seed=1)
+    report["tv"] = accel.tv_distances(target, tv_prompts)
+  if "speed" not in s.skip:
+    prompts = common.heldout_prompts(target.tokenizer, "stdlib", s.num_prompts,
+                                     s.prompt_tokens)
+    report["speed"] = accel.mesh_speed(
+        target, draft, prompts[:report["batch"]], s.meshes, s.draft_placements, s.gamma,
+        report["temperature"], s.max_new_tokens, s.pairs)
+  _write(s.out, report)
+
+
+# ----------------------------------------------------------------------------------
+# stream: specjax.stream against generate.
+
+
+def part_stream(s):
+  target, _, drafter = _drafter_pair(s)
+  prompts = common.heldout_prompts(target.tokenizer, "stdlib", s.num_prompts, s.prompt_tokens)
+  temperature = _one(s, "temperature")
+  kw = dict(max_new_tokens=s.max_new_tokens, temperature=temperature, gamma=s.gamma, seed=0,
+            eos_id=None, **drafter)
+  rows = []
+  for k in s.rounds_per_chunk:
+    ratios, first, chunks = [], [], []
+    for p in prompts:  # compile and warm both sides on every prompt's shapes
+      specjax.generate(target, [p], **kw)
+      list(specjax.stream(target, [p], rounds_per_chunk=k, **kw))
+    for r in range(s.repeats):
+      for i, p in enumerate(prompts):
+        times = {}
+
+        def gen():
+          start = time.perf_counter()
+          times["tokens"] = specjax.generate(target, [p], **kw).tokens
+          times["generate"] = time.perf_counter() - start
+
+        def stream():
+          start = time.perf_counter()
+          got = []
+          for chunk in specjax.stream(target, [p], rounds_per_chunk=k, **kw):
+            times.setdefault("first", time.perf_counter() - start)
+            got.append(chunk)
+          times["stream"] = time.perf_counter() - start
+          times["chunks"] = len(got)
+          times["streamed"] = [sum((c.tokens[0] for c in got), [])]
+
+        for fn in ((gen, stream) if (r + i) % 2 == 0 else (stream, gen)):
+          fn()
+        if times["streamed"] != times["tokens"]:
+          raise AssertionError(f"prompt {i}: the stream's tokens differ from generate's")
+        ratios.append(times["stream"] / times["generate"])
+        first.append(times["first"] / times["generate"])
+        chunks.append(times["chunks"])
+    row = dict(rounds_per_chunk=k, stream_over_generate=_quartiles(ratios),
+               first_chunk_share=_quartiles(first), chunks=statistics.median(chunks),
+               drafter=s.drafter, gamma=s.gamma, temperature=temperature,
+               calls=len(ratios), machine=costs.machine_info())
+    rows.append(row)
+    a, f = row["stream_over_generate"], row["first_chunk_share"]
+    print(f"{k:3d} rounds a chunk: {row['chunks']:.0f} chunks, stream / generate "
+          f"{a['median']:.3f} ({a['q1']:.3f}-{a['q3']:.3f}), first chunk at "
+          f"{f['median']:.3f} ({f['q1']:.3f}-{f['q3']:.3f}) of generate's time", flush=True)
+  _write(s.out, rows)
+
+
+# ----------------------------------------------------------------------------------
+# processors: their share of a round.
+
+ROUNDS = 16  # rounds per fused loop of --part=processors
+
+
+def part_processors(s):
+  from specjax.generation import prepare
+  for name in s.sets:
+    if name not in PROCESSOR_SETS:
+      raise app.UsageError(f"--sets takes {list(PROCESSOR_SETS)}, got {name!r}")
+  target, draft = common.load_pair(s.target, s.draft)
+  prompts = common.heldout_prompts(target.tokenizer, "stdlib", s.num_prompts, s.prompt_tokens)
+  rows = []
+  for name in s.sets:
+    for batch in s.batch:
+      for temperature in s.temperature:
+        kw = dict(max_new_tokens=ROUNDS * (s.gamma + 1), temperature=temperature,
+                  top_k=0, top_p=1.0, eos_id=None, draft=draft, gamma=s.gamma)
+        on = costs.round_timer(prepare(target, prompts[:batch], **kw, **PROCESSOR_SETS[name]),
+                               ROUNDS)
+        off = costs.round_timer(prepare(target, prompts[:batch], **kw), ROUNDS)
+        t = costs.paired(on, off, pairs=s.pairs, timers=True)  # ratio = off / on
+        row = dict(set=name, batch=batch, temperature=temperature, gamma=s.gamma,
+                   round_ms=statistics.median(t["baseline_s"]) * 1e3,
+                   round_with_processors_ms=statistics.median(t["method_s"]) * 1e3,
+                   share=1 - t["ratio"], share_min=1 - t["ratio_max"],
+                   share_max=1 - t["ratio_min"], machine=costs.machine_info())
+        rows.append(row)
+        print(f"{name}: batch {batch}, T={temperature:g}: round {row['round_ms']:.2f} ms, "
+              f"with {row['round_with_processors_ms']:.2f} ms: {100 * row['share']:.0f}% "
+              f"({100 * row['share_min']:.0f}–{100 * row['share_max']:.0f}%) of the round",
+              flush=True)
+  _write(s.out, rows)
+
+
+# ----------------------------------------------------------------------------------
+# samples: n=N against the prompt repeated N times.
+
+
+def part_samples(s):
+  target, _, drafter = _drafter_pair(s)
+  prompts = common.heldout_prompts(target.tokenizer, "stdlib", s.num_prompts, s.prompt_tokens)
+  temperature = _one(s, "temperature")
+  kw = dict(max_new_tokens=s.max_new_tokens, temperature=temperature, gamma=s.gamma,
+            eos_id=None, **drafter)
+  row = dict(samples=s.samples, prompt_tokens=s.prompt_tokens,
+             max_new_tokens=s.max_new_tokens, drafter=s.drafter, gamma=s.gamma,
+             temperature=temperature,
+             **common.compare_samples(target, prompts, s.samples, kw, s.repeats),
+             machine=costs.machine_info())
+  q, share = row["repeated_over_n"], row["prefill_share_of_repeated"]
+  print(f"n={s.samples}, {s.prompt_tokens}-token prompts, {s.max_new_tokens} new tokens, "
+        f"{s.drafter} γ={s.gamma}, T={temperature}: n {1e3 * row['call_s']['n']:.1f} ms, "
+        f"repeated {1e3 * row['call_s']['repeated']:.1f} ms; repeated / n "
+        f"{q['median']:.2f}x ({q['q1']:.2f}-{q['q3']:.2f}); the repeated batch's prefill "
+        f"{share['median']:.2f} of its call ({row['calls']} pairs)")
+  _write(s.out, row)
+
+
+# ----------------------------------------------------------------------------------
+# calls: whole calls of several settings against target-only.
+
+
+def part_calls(s):
+  target, draft, _ = _drafter_pair(s)
+  prompts = common.heldout_prompts(target.tokenizer, "stdlib", s.num_prompts, s.prompt_tokens)
+  temperature = _one(s, "temperature")
+  base = dict(max_new_tokens=s.max_new_tokens, temperature=temperature, eos_id=None)
+  spec = dict(drafter=s.drafter, gamma=s.gamma, **(dict(draft=draft) if draft else {}))
+  variants = {}
+  for item in s.variants:
+    name, _, args = item.partition("=")
+    variants[name] = dict(spec, **json.loads(args or "{}"))
+  measured = None
+  for name, kw in variants.items():
+    # A 'ledger' variant with no draft_cost gets (c, v(γ)) measured once here.
+    if kw.get("gamma_policy") == "ledger" and "draft_cost" not in kw:
+      if measured is None:
+        prepared = costs._prepare(target, prompts[:1], dict(base, **spec))
+        sc = costs.step_costs(target, prepared.engine.drafter, prepared.weights.draft, 1,
+                              s.prompt_tokens, temperature=temperature)
+        measured = (sc["c"], sc["v"])
+        print(f"measured c {measured[0]:.3f}, v({s.gamma}) {measured[1]:.2f}")
+      kw["draft_cost"] = measured
+  out = common.compare_calls(target, prompts, base, variants, s.repeats)
+  fmt = lambda q: f"{q['median']:.3f}x ({q['q1']:.3f}–{q['q3']:.3f})"
+  print("| side | call (ms) | speedup (quartiles) | tokens/round | drafted/round | against "
+        "the first variant |\n|---|---|---|---|---|---|")
+  for name, row in out.items():
+    print(f"| {name} | {row['call_s'] * 1e3:.2f} | {fmt(row['speedup'])} | "
+          f"{row['tokens_per_round']:.2f} | {row['drafted_per_round']:.2f} | "
+          f"{fmt(row['against_first']) if 'against_first' in row else ''} |")
+  _write(s.out, dict(machine=costs.machine_info(), drafter=s.drafter, gamma=s.gamma,
+                     temperature=temperature, rounds=s.repeats,
+                     variants={k: {a: b for a, b in v.items() if a != "draft"}
+                               for k, v in variants.items()},
+                     results={k: {a: b for a, b in v.items() if a != "tokens"}
+                              for k, v in out.items()}))
+
+
+RUN = {"pair": part_pair, "peer": part_peer, "accel": part_accel, "synthetic": part_synthetic,
+       "stream": part_stream, "sharding": part_sharding, "processors": part_processors,
+       "samples": part_samples, "calls": part_calls}
+_FLAG_NAMES = sorted({name for part in PARTS.values() for name in part})
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}; the part is --part=...")
+  RUN[_PART.value](settings(_PART.value))
 
 
 if __name__ == "__main__":

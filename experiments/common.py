@@ -1,13 +1,12 @@
-"""Pieces the sweep and the benchmark share: models by name, prompts, timed decoding."""
+"""Pieces the apps share: models by name, held-out prompts and windows, timed decoding."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 import statistics
-import subprocess
 import time
 
+from absl import app
+from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -63,6 +62,13 @@ def load_pair(target_name: str, draft_name: str | None, dtype=jnp.float32):
   return target, draft
 
 
+def refuse_flags(names, why: str) -> None:
+  """An app's flags that the chosen part does not read: set, they are a mistake to name."""
+  for name in names:
+    if flags.FLAGS[name].present:
+      raise app.UsageError(f"--{name} {why}")
+
+
 def heldout_prompts(tokenizer, corpus: str | data_lib.Corpus, num_prompts: int,
                     prompt_tokens: int, seed: int = 0) -> list[list[int]]:
   """`num_prompts` windows of `prompt_tokens` tokens from distinct held-out documents of
@@ -91,6 +97,15 @@ def heldout_prompts(tokenizer, corpus: str | data_lib.Corpus, num_prompts: int,
   if not prompts:
     raise ValueError(f"no held-out document of corpus {corpus!r} has {prompt_tokens} tokens")
   return [prompts[i % len(prompts)] for i in range(num_prompts)]
+
+
+def heldout_windows(tokenizer, seq_len: int, num_windows: int) -> np.ndarray:
+  """Fixed windows of `seq_len` tokens spread over the held-out split of this
+  interpreter's stdlib: the text the shipped models' cards measure (and the tests
+  re-measure a slice of)."""
+  corpus = data_lib.load_corpus(data_lib.STDLIB, heldout_fraction=0.05)
+  stream = data_lib.token_stream(tokenizer, corpus.read("heldout"))
+  return data_lib.eval_windows(stream, seq_len, num_windows)
 
 
 def _batches(prompts, batch_size: int):
@@ -198,7 +213,7 @@ def compare_calls(target, prompts, base: dict, variants: dict[str, dict],
                   rounds: int) -> dict:
   """Whole `generate` calls of target-only (`base`) and each variant (`base` + its
   arguments), one prompt a call, each round over the prompts in an order that flips
-  from prompt to prompt (`experiments.ab_calls`).
+  from prompt to prompt (`experiments.bench --part=calls`).
 
   Returns {side: {call_s, speedup (quartiles of target-only / side), tokens_per_round,
   drafted_per_round, tokens (the new tokens of each prompt)}} and, for each variant
@@ -274,77 +289,3 @@ def compare_samples(target, prompts, n: int, kw: dict, repeats: int) -> dict:
   return dict(call_s={k: statistics.median(v) for k, v in times.items()},
               repeated_over_n=_quartiles(ratios),
               prefill_share_of_repeated=_quartiles(shares), calls=len(ratios))
-
-
-# ----------------------------------------------------------------------------------
-# The few-row kernel outside XLA (experiments/kernel_floor.cc).
-
-KERNEL_FLOOR_SOURCE = Path(__file__).with_name("kernel_floor.cc")
-
-
-def laid_out_panels(model) -> list:
-  """Every matrix a forward multiplies through specjax's kernel, as the panels
-  `model.host_layout` lays out ([N / 16, K, 16], float32 or bfloat16)."""
-  from specjax.models import cpu_kernels
-  from specjax.models import model as model_lib
-  leaves = [leaf for leaf in jax.tree_util.tree_leaves(model_lib.host_layout(model.params))
-            if leaf.ndim == 3 and leaf.shape[2] == cpu_kernels.PANEL]
-  if not leaves:
-    raise ValueError(f"no weights laid out in panels ({cpu_kernels.status()})")
-  return leaves
-
-
-def panel_shapes(model) -> tuple[list[tuple[int, int]], bool]:
-  """[(K, N)] of `laid_out_panels`, and whether they are bfloat16 panels."""
-  leaves = laid_out_panels(model)
-  shapes = [(int(p.shape[1]), int(p.shape[0] * p.shape[2])) for p in leaves]
-  return shapes, leaves[0].dtype == jnp.bfloat16
-
-
-def llama_shapes(d_model: int, n_layers: int, d_ff: int, vocab: int) -> list[tuple[int, int]]:
-  """[(K, N)] of a Llama-shaped forward (fused qkv of 3 d_model, out, SwiGLU up [gate |
-  up] and down per layer, an untied LM head), for timing products without weights."""
-  if min(d_model, n_layers, d_ff, vocab) <= 0 or (d_model % 16) or (d_ff % 8) or (vocab % 16):
-    raise ValueError("d_model, n_layers, d_ff and vocab must be positive, d_model and vocab "
-                     f"multiples of 16, d_ff of 8; got {d_model}, {n_layers}, {d_ff}, {vocab}")
-  layer = [(d_model, 3 * d_model), (d_model, d_model), (d_model, 2 * d_ff), (d_ff, d_model)]
-  return layer * n_layers + [(d_model, vocab)]
-
-
-def build_kernel_floor(out_dir: str) -> Path:
-  """Compiles kernel_floor.cc (the kernel of specjax/models/fewrow.cc in a C++ loop) with
-  the flags specjax's own library is built with; returns the program's path."""
-  from specjax.models import cpu_kernels
-  compiler = cpu_kernels.compiler()
-  flags = [f for f in cpu_kernels._flags() if f not in ("-shared", "-fPIC")]
-  exe = Path(out_dir) / "kernel_floor"
-  done = subprocess.run([compiler, *flags, "-pthread", str(KERNEL_FLOOR_SOURCE), "-o", str(exe)],
-                        capture_output=True, text=True, timeout=600)
-  if done.returncode:
-    raise RuntimeError(f"{compiler} failed on {KERNEL_FLOOR_SOURCE.name}:\n{done.stderr[-2000:]}")
-  return exe
-
-
-def run_kernel_floor(exe: Path, shapes, bf16: bool = True, reps: int = 200,
-                     check: bool = False) -> dict:
-  """Runs the program on these (K, N) shapes. check: the first product (3 rows) against
-  a plain loop, {"max_rel_error"}; else {"peak_gflops_per_core", "macs_per_row",
-  "weight_bytes", "rows": {R: {"one_thread_us", "two_threads_us", "no_prefetch_us"}}}:
-  the weights prefetched as `cpu_kernels.PREFETCH_MIN_BYTES` says (and, no_prefetch,
-  never), two threads unless said."""
-  from specjax.models import cpu_kernels
-  env = dict(os.environ, FLOOR_REPS=str(reps), FLOOR_BF16="1" if bf16 else "0",
-             FLOOR_PREFETCH_MIN_BYTES=str(cpu_kernels.PREFETCH_MIN_BYTES))
-  if check:
-    env["FLOOR_CHECK"] = "1"
-  args = [str(v) for shape in shapes for v in shape]
-  done = subprocess.run([str(exe), *args], capture_output=True, text=True, env=env,
-                        timeout=3600, check=True)
-  out: dict = {"rows": {}}
-  for line in done.stdout.splitlines():
-    words = line.split()
-    if words[0] == "rows":
-      out["rows"][int(words[1])] = {k: float(v) for k, v in zip(words[2::2], words[3::2])}
-    else:
-      out.update({k: float(v) for k, v in zip(words[::2], words[1::2])})
-  return out

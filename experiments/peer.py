@@ -1,7 +1,6 @@
 """specjax against transformers on identical weights: tokens/s side by side, outputs compared.
 
-  python -m experiments.bench_peer --target=stdlib-target --draft=stdlib-draft   # the app
-  python -m experiments.bench --peer=transformers   # the main benchmark calls run_peer_benchmark
+  python -m experiments.bench --part=peer --target=stdlib-target --draft=stdlib-draft   # the app
 
 Both models are exported with `specjax.hf.export_hf` and loaded back by transformers, and
 the two stacks' logits are checked to agree before anything is timed. Then, at
@@ -295,12 +294,12 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 # ----------------------------------------------------------------------------
-# Standalone: python -m experiments.bench_peer
+# The prompts of python -m experiments.bench --part=peer
 
 
 def default_prompts(model: Model, n: int, length: int, seed: int = 0) -> list[list[int]]:
   """`n` prompts of `length` tokens: held-out standard-library windows with a tokenizer
-  (the same prompts `experiments.bench` uses), random ids without one."""
+  (the same prompts the other parts of `experiments.bench` use), random ids without one."""
   if model.tokenizer is None:
     return np.random.RandomState(seed).randint(0, model.config.vocab_size, (n, length)).tolist()
   from experiments import common

@@ -1,4 +1,4 @@
-"""Engine speed at a chosen acceptance (the library; the app is `bench_synthetic.py`).
+"""Engine speed at a chosen acceptance (the library of `bench --part=synthetic`).
 
 For each (batch, γ, α): speculative decoding whose verify rule accepts position i with
 probability α^(i+1) (`specjax.verify.rules.SyntheticRule`, not lossless: the text is

@@ -1,6 +1,13 @@
-"""Train a language model: python -m experiments.train --config=configs/train.py:target --workdir=DIR
+"""Train a target, a draft or a head: the shipped checkpoints, or new ones like them.
 
-Re-running the same command resumes from the newest orbax checkpoint in DIR.
+  python -m experiments.train --config=configs/train.py:target --workdir=DIR
+  python -m experiments.train --config=configs/train.py:draft --workdir=DIR    # distils the target
+  python -m experiments.train --config=configs/train.py:eagle --workdir=DIR    # or :medusa, a head
+  python -m experiments.train --config=configs/train.py:tiny --workdir=/tmp/tiny
+
+Re-running the same command resumes from the newest orbax checkpoint in DIR; DIR also
+holds config.json and metrics.jsonl (loss, tokens/s, held-out loss, bits per byte, α̂).
+`python -m experiments.card` then measures the numbers a checkpoint's card reports.
 """
 
 from absl import app, flags, logging

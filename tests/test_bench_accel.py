@@ -1,8 +1,8 @@
-"""experiments.bench_accel's bookkeeping (the timings themselves run on an accelerator)."""
+"""experiments.accel's bookkeeping (`bench --part=accel`; the timings run on an accelerator)."""
 
 import jax.numpy as jnp
 
-from experiments import bench_accel
+from experiments import accel
 from experiments import synthetic
 
 
@@ -13,7 +13,7 @@ def test_step_bytes_counts_weights_less_the_input_table_plus_the_cache():
   per_layer = 64 * 64 + 64 * 128 + 64 + 128 * 64 + 64 * 256 + 64  # out, qkv, norm, down, up
   weights = 2 * per_layer + 64 + 64 * 512  # final norm, untied LM head (not the embedding)
   kv = 2 * 2 * 3 * 2 * 100 * 16  # K and V, layers, batch, kv heads, context, head dim
-  assert bench_accel.step_bytes(model, batch=3, context=100) == 2 * (weights + kv)
+  assert accel.step_bytes(model, batch=3, context=100) == 2 * (weights + kv)
   assert model.params["embed"]["embedding"].dtype == jnp.bfloat16
 
 
@@ -22,7 +22,7 @@ def test_summary_keeps_finished_stages_and_names_a_failed_one():
                                          "fraction_of_peak": 0.5, "fraction_of_copy": None,
                                          "by_gamma": {4: {"v": 1.25}}}}},
          "shipped": {"error": "RuntimeError: out of memory"}}
-  text = bench_accel.summary(res)
+  text = accel.summary(res)
   assert "| t | 2.00B | 1.00 | 100 | 50% | – | – | – | 1.25 | – |" in text
   assert "stage shipped failed: RuntimeError: out of memory" in text
 

@@ -334,7 +334,7 @@ def test_tree_axis_follows_the_first_drafter(drafters, want):
   assert run_lib._tree_drafter(cfg) is None
 
 
-def test_ab_calls_compares_lossless_variants_against_target_only():
+def test_bench_calls_compares_lossless_variants_against_target_only():
   from conftest import greedy_oracle
   from experiments import common
   target = tiny_model(vocab=16, n_layers=2, seed=3, llama=True)
@@ -366,22 +366,15 @@ def test_bench_samples_times_n_against_the_prompt_repeated():
   assert 0 < out["prefill_share_of_repeated"]["median"]
 
 
-def test_kernel_floor_times_the_library_kernel(tmp_path):
-  # The C++ loop runs fewrow.cc's own kernel: its product matches a plain loop in both
-  # panel layouts, and a timing run reports every row count (one thread, two, two
-  # without prefetching).
-  from experiments import common
-  shapes, bf16 = common.panel_shapes(tiny_model(vocab=32, d_model=32, llama=True))
-  assert (32, 96) in shapes and not bf16  # qkv of d_model 32; random float32 weights
-  exe = common.build_kernel_floor(str(tmp_path))
-  for layout in (True, False):
-    check = common.run_kernel_floor(exe, [(37, 80), (64, 32)], bf16=layout, check=True)
-    assert check["max_rel_error"] < 1e-5, (layout, check)
-  got = common.run_kernel_floor(exe, shapes, reps=2)
-  assert got["macs_per_row"] == sum(k * n for k, n in shapes)
-  assert len(common.llama_shapes(64, 3, 96, 128)) == 3 * 4 + 1
-  with pytest.raises(ValueError, match="multiples of 16"):
-    common.llama_shapes(100, 2, 64, 128)
-  assert set(got["rows"]) >= set(range(1, 10))
-  assert all(min(t["one_thread_us"], t["two_threads_us"], t["no_prefetch_us"]) > 0
-             for t in got["rows"].values())
+def test_bench_refuses_a_flag_its_part_does_not_read():
+  # One app, many parts: a flag another part reads is a mistake, named before anything runs.
+  import os
+  import subprocess
+  import sys
+  repo = Path(__file__).resolve().parents[1]
+  result = subprocess.run(
+      [sys.executable, "-m", "experiments.bench", "--part=peer", "--pairs=3"], cwd=repo,
+      env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
+      text=True, timeout=300)
+  assert result.returncode != 0
+  assert "--part=peer does not read --pairs" in result.stderr, result.stderr[-2000:]

@@ -367,7 +367,7 @@ def test_ledger_measures_a_head_at_a_prompt_shorter_than_a_pass(target):
 @pytest.mark.parametrize("name", ["stdlib-eagle", "stdlib-medusa"])
 def test_shipped_head_reproduces_its_card(name):
   import sys
-  from experiments.model_card import heldout_windows
+  from experiments.common import heldout_windows
   from specjax.models import pretrained
   if not (pretrained.checkpoints_dir() / name).exists():
     pytest.skip(f"{name} is not in {pretrained.checkpoints_dir()}")

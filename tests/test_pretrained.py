@@ -44,7 +44,7 @@ def test_pair_loads_by_name_with_one_tokenizer(target, draft):
 
 
 def test_target_heldout_loss_matches_the_card(target):
-  from experiments.model_card import heldout_windows
+  from experiments.common import heldout_windows
   windows = heldout_windows(target.tokenizer, 256, CARD["target"]["test_slice_windows"])
   loss = train_lib.evaluate(target.graphdef, target.params, windows)["loss"]
   # The slice is cut from this interpreter's stdlib; other Python versions shift it a bit.

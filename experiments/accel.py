@@ -1,8 +1,6 @@
-r"""What an accelerator does with the engine: bandwidth, v(γ) and speedups, in one timed run.
+"""What the engine does beyond one CPU device: `bench --part=accel` and `--part=sharding`.
 
-  python -m experiments.bench_accel --out=runs/accel            # a GPU or TPU, ~6 min
-  python -m experiments.bench_accel --out=runs/accel --small    # tiny shapes, any backend
-
+`--part=accel` (`run`): what an accelerator does with the engine, in one budgeted run.
 Stages, each written to <out>/accel.json as soon as it ends (a run cut short keeps what
 it finished), then <out>/summary.md:
 
@@ -18,7 +16,10 @@ it finished), then <out>/summary.md:
    rule (acceptance α^(i+1) whatever the weights): paired speedup against α and γ, with the
    ledger's prediction from c and v(γ) measured on the device.
 
-`--budget_s` bounds the run: a stage that would start after it is skipped and says so.
+`--part=sharding` (`mesh_speed`, `memory`, `tv_distances`): what sharding, memory and
+precision cost: tokens/s on meshes (dp, tp) of 8 devices against one device, per-device
+bytes of a Llama-3-8B shape on a (1, 8) mesh against a 16 GiB TPU v5e chip, and the TV
+distance of bfloat16 and int8 from float32.
 """
 
 from __future__ import annotations
@@ -28,16 +29,21 @@ import time
 import types
 from pathlib import Path
 
-from absl import app
-from absl import flags
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+import specjax
 from experiments import common
 from experiments import synthetic
 from specjax import costs
+from specjax.models import kv_cache
 from specjax.models import model as model_lib
+from specjax.models import quantization
+from specjax.models import sharding
 from specjax.models.pretrained import load_pretrained
+
+STAGES = ("machine", "bandwidth", "synthetic", "shipped")
 
 # Datasheet HBM bandwidth (GB/s) by jax's device_kind; the measured copy is the other ceiling.
 PEAK_GBPS = {"NVIDIA H200": 4800, "NVIDIA H100 80GB HBM3": 3350, "NVIDIA H100 PCIe": 2000,
@@ -174,7 +180,7 @@ def _version(module: str) -> str | None:
 
 
 def summary(res: dict) -> str:
-  lines = ["# The engine on an accelerator (experiments.bench_accel)", ""]
+  lines = ["# The engine on an accelerator (experiments.bench --part=accel)", ""]
   m = res.get("machine")
   if m:
     lines += [f"{m['device_kind']} × {m['device_count']}, jax {m['jax']}, flax {m['flax']}, "
@@ -208,30 +214,21 @@ def summary(res: dict) -> str:
   return "\n".join(lines) + "\n"
 
 
-def define_flags():
-  """The app's flags, defined only when it runs (tests import the module beside others)."""
-  flags.DEFINE_string("out", "runs/accel", "Where accel.json and summary.md go.")
-  flags.DEFINE_bool("small", False, "Tiny shapes and grids (a CPU check of the script).")
-  flags.DEFINE_float("budget_s", 420.0, "Skip stages that would start after this.")
-  flags.DEFINE_list("stages", ["machine", "bandwidth", "synthetic", "shipped"],
-                    "Stages to run, in order.")
-  flags.DEFINE_list("synthetic_batches", ["1", "8"], "Batch sizes of 'synthetic'.")
-  flags.DEFINE_list("synthetic_pair", ["tinyllama-1.1b", "llama-68m"],
-                    "Target and draft shapes of 'synthetic' (keys of SHAPES).")
-  flags.DEFINE_float("shipped_reserve_s", 120.0,
-                    "Seconds of the budget the synthetic grid leaves for 'shipped'.")
-
-
-def main(argv):
-  del argv
-  f = flags.FLAGS
+def run(out: Path, small: bool = False, budget_s: float = 420.0,
+        stages=("machine", "bandwidth", "synthetic", "shipped"), synthetic_batches=(1, 8),
+        synthetic_pair=("tinyllama-1.1b", "llama-68m"), shipped_reserve_s: float = 120.0) -> dict:
+  """The stages in order, each written to <out>/accel.json and <out>/summary.md as soon as
+  it ends; a stage that would start past `budget_s` is skipped and says so, one that
+  fails records its error and the others still run."""
+  stages = list(stages)
+  for stage in stages:
+    if stage not in STAGES:
+      raise ValueError(f"unknown stage {stage!r}; known: {STAGES}")
   start = time.monotonic()
-  deadline = start + f.budget_s
-  out = Path(f.out)
+  deadline = start + budget_s
   out.mkdir(parents=True, exist_ok=True)
   res: dict = {}
-  small = f.small
-  for stage in f.stages:
+  for stage in stages:
     if time.monotonic() > deadline:
       res[stage] = {"error": "skipped: past --budget_s"}
       continue
@@ -244,12 +241,10 @@ def main(argv):
         res[stage] = stage_bandwidth(small, m.get("peak_gbps"), m.get("copy_gbps"))
       elif stage == "shipped":
         res[stage] = stage_shipped(small)
-      elif stage == "synthetic":
-        later = f.stages[f.stages.index(stage):]
-        res[stage] = stage_synthetic(small, deadline - f.shipped_reserve_s * ("shipped" in later),
-                                     f.synthetic_batches, f.synthetic_pair)
-      else:
-        raise ValueError(f"unknown stage {stage!r}")
+      else:  # synthetic
+        later = stages[stages.index(stage):]
+        res[stage] = stage_synthetic(small, deadline - shipped_reserve_s * ("shipped" in later),
+                                     synthetic_batches, synthetic_pair)
     except Exception as e:  # noqa: BLE001 - one broken stage must not lose the others
       res[stage] = {"error": f"{type(e).__name__}: {e}"}
     if isinstance(res[stage], dict):
@@ -258,8 +253,146 @@ def main(argv):
     (out / "accel.json").write_text(json.dumps(res, indent=2, default=str))
     (out / "summary.md").write_text(summary(res))
   print(summary(res))
+  return res
 
 
-if __name__ == "__main__":
-  define_flags()
-  app.run(main)
+# ----------------------------------------------------------------------------------
+# Sharding, memory and precision.
+
+V5E_HBM = 16 * 2 ** 30  # bytes of HBM on one TPU v5e chip
+LLAMA3_8B = dict(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                 d_ff=14336, max_len=8192, norm_eps=1e-5, rope_theta=500000.0,
+                 rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 8192})
+
+
+def mesh_of(text: str):
+  dp, tp = (int(x) for x in text.split("x"))
+  return jax.make_mesh((dp, tp), ("data", "model"))
+
+
+# --- Sharding 1: speed on a mesh.
+
+
+def mesh_speed(target, draft, prompts, meshes=("1x8", "2x4", "8x1"),
+               draft_placements=("replicate", "shard"), gamma: int = 4,
+               temperature: float = 0.0, max_new_tokens: int = 64, pairs: int = 3):
+  """Speculative decoding of `prompts` (one batch) on each mesh 'dp x tp', the draft
+  replicated or split, against the same call on one device, timed alternately."""
+  kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=0, gamma=gamma,
+            eos_id=None)
+  batch = prompts
+  out = {}
+
+  def one_device():
+    out["one"] = specjax.generate(target, batch, draft=draft, **kw)
+
+  rows = []
+  for text in meshes:
+    mesh = mesh_of(text)
+    placed = specjax.shard(target, mesh)
+    for placement in draft_placements:
+      if placement == "shard" and mesh.shape["model"] == 1:
+        continue  # the same program as replicated
+      prepared = specjax.generation.prepare(
+          placed, batch, draft=draft, top_k=0, top_p=1.0, eos_id=None,
+          **{k: v for k, v in kw.items() if k not in ("seed", "eos_id")})
+      run = sharding.distribute(prepared, mesh, shard_draft=placement == "shard")
+      key = jax.random.PRNGKey(0)
+
+      def on_mesh():
+        out["mesh"] = run.run(key)
+
+      timing = costs.paired(on_mesh, one_device, pairs=pairs)
+      state = out["mesh"]
+      tokens = [state.tokens[i, state.prompt_len[i]:state.n[i]].tolist()
+                for i in range(len(batch))]
+      committed = int(np.sum(state.n - state.prompt_len))
+      one_s, mesh_s = np.median(timing["baseline_s"]), np.median(timing["method_s"])
+      row = {"mesh": text, "draft": placement,
+             "mesh_tokens_per_s": committed / mesh_s,
+             "one_device_tokens_per_s": committed / one_s,
+             "speed_ratio": timing["ratio"], "speed_ratio_min": timing["ratio_min"],
+             "speed_ratio_max": timing["ratio_max"],
+             "same_tokens": tokens == out["one"].tokens,
+             "plan": {k: v for k, v in vars(sharding.plan(target.config,
+                                                          mesh.shape["model"])).items()}}
+      print(row, flush=True)
+      rows.append(row)
+  return rows
+
+
+# --- Sharding 2: memory of an 8B target, from shardings alone.
+
+
+def _bytes_per_device(tree, shardings) -> int:
+  leaves = jax.tree_util.tree_leaves(tree)
+  specs = jax.tree_util.tree_leaves(shardings)
+  return sum(int(np.prod(s.shard_shape(x.shape))) * jnp.dtype(x.dtype).itemsize
+             for x, s in zip(leaves, specs))
+
+
+def memory(mesh_text: str, dtype, quantized: bool, kv_batch: int = 8, kv_tokens: int = 8192):
+  """Per-device bytes of a Llama-3-8B-shaped target's weights and KV cache on a mesh, from
+  the shardings of `jax.eval_shape` structures (nothing is allocated)."""
+  mesh = sharding.check_mesh(mesh_of(mesh_text))
+  tp = mesh.shape["model"]
+  cfg = sharding.layout_config(specjax.ModelConfig.llama(**LLAMA3_8B), tp)
+
+  def build():  # traced by eval_shape: nothing is allocated
+    params = model_lib.cast(jax.tree_util.tree_map(
+        lambda x: jnp.zeros(x.shape, x.dtype), model_lib.abstract_params(cfg)), dtype)
+    return quantization._quantize_tree(params) if quantized else params
+
+  params = jax.eval_shape(build)
+  specs = sharding.param_specs(cfg, params, tp)
+  param_shardings = jax.tree_util.tree_map(
+      lambda s: jax.sharding.NamedSharding(mesh, s), specs,
+      is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))
+  kv = jax.eval_shape(lambda: kv_cache.init_kv(cfg, kv_batch, kv_tokens, dtype))
+  kv_sharding = jax.sharding.NamedSharding(mesh, sharding.kv_spec(cfg, tp))
+  kv_shardings = kv.replace(k=tuple(kv_sharding for _ in kv.k),
+                            v=tuple(kv_sharding for _ in kv.v),
+                            length=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
+                                "data")))
+  param_bytes = _bytes_per_device(params, param_shardings)
+  kv_bytes = _bytes_per_device(kv, kv_shardings)
+  return {"mesh": mesh_text, "weights": "int8" if quantized else jnp.dtype(dtype).name,
+          "num_params": model_lib.count_params(model_lib.abstract_params(cfg)),
+          "param_gib_per_device": param_bytes / 2 ** 30,
+          "kv_gib_per_device": kv_bytes / 2 ** 30,
+          "kv_rows": kv_batch, "kv_slots": kv_tokens,
+          "total_gib_per_device": (param_bytes + kv_bytes) / 2 ** 30,
+          "fits_v5e_16gib": param_bytes + kv_bytes < V5E_HBM}
+
+
+# --- Sharding 3: TV distance between precisions.
+
+
+def tv_distances(target, prompts):
+  """Total-variation distance of the target's next-token distributions in bfloat16, int8
+  and both from float32's, teacher-forced at every position of `prompts`."""
+  variants = {"bfloat16": target.with_params(model_lib.cast(target.params, jnp.bfloat16)),
+              "int8": specjax.quantize(target),
+              "int8_bfloat16": specjax.quantize(
+                  target.with_params(model_lib.cast(target.params, jnp.bfloat16)))}
+  tokens = jnp.asarray(prompts, jnp.int32)
+  ref = []
+  for i in range(0, len(prompts), 8):
+    ref.append(jax.nn.softmax(target.logits(tokens[i:i + 8]), axis=-1))
+  ref = jnp.concatenate(ref)
+  out = {}
+  for name, model in variants.items():
+    probs = jnp.concatenate([jax.nn.softmax(model.logits(tokens[i:i + 8]), axis=-1)
+                             for i in range(0, len(prompts), 8)])
+    tv = 0.5 * jnp.sum(jnp.abs(probs - ref), axis=-1)  # [prompts, positions]
+    out[name] = {"tv_mean": float(jnp.mean(tv)), "tv_median": float(jnp.median(tv)),
+                 "tv_p99": float(jnp.quantile(tv, 0.99)), "tv_max": float(jnp.max(tv)),
+                 "argmax_agreement": float(jnp.mean(jnp.argmax(probs, -1)
+                                                    == jnp.argmax(ref, -1))),
+                 "weight_mib": quantization.weight_bytes(model.params) / 2 ** 20,
+                 "positions": int(tv.size)}
+    print(name, out[name], flush=True)
+  out["float32"] = {"weight_mib": quantization.weight_bytes(target.params) / 2 ** 20}
+  return out
