@@ -37,6 +37,7 @@ import specjax
 from experiments import common
 from experiments import synthetic
 from specjax import costs
+from specjax import prepare as prepare_lib
 from specjax.models import kv_cache
 from specjax.models import model as model_lib
 from specjax.models import quantization
@@ -295,10 +296,10 @@ def mesh_speed(target, draft, prompts, meshes=("1x8", "2x4", "8x1"),
     for placement in draft_placements:
       if placement == "shard" and mesh.shape["model"] == 1:
         continue  # the same program as replicated
-      prepared = specjax.generation.prepare(
+      prepared = prepare_lib.prepare(
           placed, batch, draft=draft, top_k=0, top_p=1.0, eos_id=None,
           **{k: v for k, v in kw.items() if k not in ("seed", "eos_id")})
-      run = sharding.distribute(prepared, mesh, shard_draft=placement == "shard")
+      run = prepare_lib.distribute(prepared, mesh, shard_draft=placement == "shard")
       key = jax.random.PRNGKey(0)
 
       def on_mesh():

@@ -35,6 +35,7 @@ import numpy as np
 
 from experiments import common
 from experiments import drift
+from specjax import rng
 from specjax import costs
 from specjax.verify import rules as rules_lib
 
@@ -174,6 +175,7 @@ COLUMNS = [("pair", "pair", "s"), ("rule", "rule", "s"), ("T", "temperature", "g
 
 def main(argv):
   del argv
+  rng.use_unrolled_threefry()  # the CPU's faster random bits (specjax.rng), before tracing
   for name in _RULES.value + _SPEED_RULES.value:
     if name not in rules_lib.RULES:
       raise ValueError(f"--rules / --speed_rules: unknown rule {name!r} ({rules_lib.RULES})")

@@ -59,6 +59,7 @@ from ml_collections import config_flags
 
 import specjax
 from experiments import common
+from specjax import rng
 from specjax import costs
 from specjax import ledger
 
@@ -432,7 +433,7 @@ ROUNDS = 16  # rounds per fused loop of --part=processors
 
 
 def part_processors(s):
-  from specjax.generation import prepare
+  from specjax.prepare import prepare
   for name in s.sets:
     if name not in PROCESSOR_SETS:
       raise app.UsageError(f"--sets takes {list(PROCESSOR_SETS)}, got {name!r}")
@@ -533,6 +534,7 @@ _FLAG_NAMES = sorted({name for part in PARTS.values() for name in part})
 
 
 def main(argv):
+  rng.use_unrolled_threefry()  # the CPU's faster random bits (specjax.rng), before tracing
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}; the part is --part=...")
   RUN[_PART.value](settings(_PART.value))

@@ -32,8 +32,10 @@ import numpy as np
 from absl import app, flags
 
 from experiments import common
+from specjax import rng
 from specjax import costs
-from specjax import generation
+from specjax import arguments
+from specjax import prepare as prepare_lib
 from specjax import ledger
 from specjax.models import heads
 from specjax.models.pretrained import load_pretrained
@@ -127,7 +129,7 @@ def measure_pair(target_name: str, draft_name: str, num_windows: int, seq_len: i
   card["pair"] = train_lib.acceptance_rate(target, draft, windows)
   # The one definition of c (costs.step_costs): a whole draft proposal (sampling
   # included, T = 1) per drafted token over a 1-token target step.
-  drafter = generation.make_drafter(target, draft, "model", COST_GAMMA, "probabilistic", 1, 4)
+  drafter = arguments.make_drafter(target, draft, "model", COST_GAMMA, "probabilistic", 1, 4)
   c = costs.step_costs(target, drafter, draft.params, 1, COST_CONTEXT, temperature=1.0)["c"]
   predictions = {}
   for gamma in range(1, max_gamma + 1):
@@ -174,7 +176,7 @@ def markdown_tables(card: dict) -> str:
 
 def decode_stats(target, prompts, gamma, temperature, max_new, head=None, draft=None, seed=0):
   """Committed tokens per target call and acceptance of one batch through the engine."""
-  args = generation.prepare(target, prompts, max_new_tokens=max_new, temperature=temperature,
+  args = prepare_lib.prepare(target, prompts, max_new_tokens=max_new, temperature=temperature,
                             top_k=0, top_p=1.0, eos_id=None, gamma=gamma,
                             draft=head if head is not None else draft,
                             drafter=None if head is not None or draft is not None else "ngram")
@@ -225,6 +227,7 @@ def ship_head(head_dir: str, out: str, target_name: str, draft_name: str) -> dic
 
 def main(argv):
   del argv
+  rng.use_unrolled_threefry()  # the CPU's faster random bits (specjax.rng), before tracing
   if _HEAD.value:
     common.refuse_flags(PAIR_ONLY, "is a flag of the pair's card (no --head)")
     if not _OUT.value:

@@ -15,7 +15,9 @@ import specjax
 from specjax import costs
 from specjax import decode as decode_lib
 from specjax.training import data as data_lib
-from specjax import generation
+from specjax import arguments
+from specjax import prepare as prepare_lib
+from specjax import results
 from specjax.models import heads as heads_lib
 from specjax.models import tokenizer as tokenizer_lib
 from specjax.models.pretrained import load_pretrained, read_config
@@ -154,12 +156,12 @@ def paired_generate(target, prompts, batch_size: int, pairs: int, method: dict,
 def merge_stats(stats: list[dict]) -> dict:
   """Sums the counters of several generate calls and recomputes the rates."""
   counts = {}
-  for key in generation.COUNTERS:
+  for key in results.COUNTERS:
     values = [s[key] for s in stats]
     counts[key] = (np.sum(values, axis=0).tolist() if isinstance(values[0], list)
                    else sum(values))
   return dict(gamma=stats[0]["gamma"], lossless=all(s.get("lossless", True) for s in stats),
-              **generation.with_rates(counts))
+              **results.with_rates(counts))
 
 
 def step_costs(target, draft, drafter: str, gamma: int, batch: int, context: int,
@@ -170,9 +172,9 @@ def step_costs(target, draft, drafter: str, gamma: int, batch: int, context: int
   draft: the draft model for 'model', the head for 'eagle' / 'medusa' (unused for 'ngram').
   """
   draft = None if drafter == "ngram" else draft
-  obj = generation.make_drafter(target, draft, drafter, None if tree else gamma, draft_sample,
+  obj = arguments.make_drafter(target, draft, drafter, None if tree else gamma, draft_sample,
                                 *ngram, tree=tree)
-  if drafter in generation.HEAD_DRAFTERS:
+  if drafter in arguments.HEAD_DRAFTERS:
     params = draft.draft_params(target)
   else:
     params = draft.params if drafter == "model" else None
@@ -255,12 +257,12 @@ def compare_samples(target, prompts, n: int, kw: dict, repeats: int) -> dict:
            "repeated": lambda p, seed: specjax.generate(target, [p] * n, seed=seed, **kw)}
 
   def prefill(p):  # the repeated batch's prefill alone, as the call compiles it
-    args = generation.prepare(target, [p] * n, **{"top_k": 0, "top_p": 1.0, "eos_id": None,
+    args = prepare_lib.prepare(target, [p] * n, **{"top_k": 0, "top_p": 1.0, "eos_id": None,
                                                   **kw})
     return lambda: jax.block_until_ready(decode_lib.start(
         args.engine, args.prompt_width, args.cache_size,
         decode_lib.laid_out(args.engine, args.weights), args.tokens, args.prompt_len,
-        args.sampling, generation.seed_key(0)))
+        args.sampling, prepare_lib.seed_key(0)))
 
   prefills = [prefill(p) for p in prompts]
   for i, p in enumerate(prompts):  # compile and warm

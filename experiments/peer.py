@@ -36,7 +36,7 @@ import jax
 import numpy as np
 
 import specjax
-from specjax import generation
+from specjax import arguments
 from specjax import hf
 from specjax.models.model import Model
 
@@ -44,7 +44,7 @@ HF_ASSISTED = "transformers assisted"  # the peer the goal is stated against
 
 
 def _check_prompts(prompts, target: Model, draft: Model, max_new_tokens: int) -> list[list[int]]:
-  prompts = generation.check_prompts(prompts, target)
+  prompts = arguments.check_prompts(prompts, target)
   limit = min(target.config.max_len, draft.config.max_len)
   for i, prompt in enumerate(prompts):
     if len(prompt) + max_new_tokens > limit:
