@@ -344,7 +344,7 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
   # 3. Verify rule, one row at a time: the accepted path and the correction/bonus token.
   row_keys = jax.vmap(jax.random.fold_in, (None, 0))(verify_key, jnp.arange(ys.shape[0]))
   n_accepted, next_token, overlap, path, siblings, ys = layout.verify(
-      engine, row_keys, ys, qs, ps, lengths, verify_key)
+      engine, row_keys, ys, qs, ps, lengths, verify_key, sampling.paths.greedy)
 
   # 4. Commit y_1..y_a and the correction/bonus token (at index a), cut by the budget,
   # the context, stops and a prefix where the processors ban every token.

@@ -115,11 +115,12 @@ class GammaPolicy:
     return propose_upto(drafter, params, state.draft_state, state.tokens, state.n, key,
                         sampling, limit, self.confidence)
 
-  def settle(self, n_accepted, next_token, ps, lengths, key):
+  def settle(self, n_accepted, next_token, ps, lengths, key, greedy=None):
     """The rule's outcome as if each row had drafted a chain of its own length (`cut`)."""
     if lengths is None:
       return n_accepted, next_token
-    return cut(n_accepted, next_token, ps, lengths, jax.random.fold_in(key, 2 ** 31 - 1))
+    return cut(n_accepted, next_token, ps, lengths, jax.random.fold_in(key, 2 ** 31 - 1),
+               greedy)
 
   def carry(self, state, lengths, n_accepted, steps, gamma: int) -> dict:
     """The fields of `init_state` after this round."""
@@ -167,7 +168,7 @@ def propose_upto(drafter, params, state, tokens, n, key, sampling, limit, confid
   return ys, qs, state, limit, steps
 
 
-def cut(n_accepted, next_token, ps, lengths, key):
+def cut(n_accepted, next_token, ps, lengths, key, greedy=None):
   """The rule's outcome for chains of `lengths` tokens instead of γ.
 
   Every rule decides position i from position i's inputs alone, so a row whose first
@@ -179,6 +180,9 @@ def cut(n_accepted, next_token, ps, lengths, key):
   full = n_accepted >= lengths
   p_next = jnp.take_along_axis(ps, lengths[:, None, None], axis=1)[:, 0]
   # A point mass's draw is its one token (temperature 0): no V random numbers per row.
-  bonus = jax.lax.cond(point_masses(p_next), lambda: argmax(p_next).astype(jnp.int32),
-                       lambda: sample(key, p_next))
+  top, draw = lambda: argmax(p_next).astype(jnp.int32), lambda: sample(key, p_next)
+  if greedy is None:  # `sampling.Paths.greedy` unknown: decided when run
+    bonus = jax.lax.cond(point_masses(p_next), top, draw)
+  else:
+    bonus = top() if greedy else draw()
   return jnp.minimum(n_accepted, lengths), jnp.where(full, bonus, next_token)

@@ -166,8 +166,8 @@ def tempered(model, temperature):
 
 
 @contextlib.contextmanager
-def decode_traces():
-  """Counts traces of the decode loop inside the block; more than one fails at once.
+def decode_traces(n: int = 1):
+  """Counts traces of the decode loop inside the block; more than n fails at once.
 
   The jit cache is cleared first, so the first call in the block must trace.
   """
@@ -178,7 +178,7 @@ def decode_traces():
     traced.append(1)
     return original(*args, **kwargs)
 
-  decode_lib.run_loop = chex.assert_max_traces(counting, n=1)
+  decode_lib.run_loop = chex.assert_max_traces(counting, n=n)
   decode_lib.decode.clear_cache()
   try:
     yield traced

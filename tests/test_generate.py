@@ -45,14 +45,16 @@ class AutoregressiveTest(parameterized.TestCase):
     self.assertNotEqual(a, c)
     self.assertGreater(len({tuple(x) for x in a}), 1)  # identical prompts, different samples
 
-  def test_sweep_compiles_once(self):
+  def test_sweep_compiles_once_per_path(self):
+    # Values are traced; what the host knows of them (`sampling.Paths`: all greedy, any
+    # filter) picks the program: T = 0, T > 0, T > 0 with top-k/top-p.
     model = tiny_model(vocab=16, n_layers=1, seed=5)
-    with decode_traces() as traced:
+    with decode_traces(n=3) as traced:
       for temperature in (0.0, 0.5, 1.0, 1.5):
         for top_p in (1.0, 0.9, 0.5):
           specjax.generate(model, [[1, 2, 3]], max_new_tokens=23, temperature=temperature,
                            top_p=top_p, top_k=3 if top_p < 1 else 0, seed=1)
-    self.assertEqual(len(traced), 1)
+    self.assertEqual(len(traced), 3)
 
   def test_a_round_limit_stops_the_compiled_loop_early(self):
     # costs.call_costs times calls stopped after 1 and R rounds on the full call's program.

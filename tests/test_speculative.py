@@ -207,13 +207,13 @@ class DeterminismTest(parameterized.TestCase):
     self.assertNotEqual(a, c)
     self.assertGreater(len({tuple(x) for x in a}), 4)  # rows sample independently
 
-  def test_temperature_sweep_compiles_once(self):
-    target, draft = target_and_draft()
-    with decode_traces() as traced:
+  def test_temperature_sweep_compiles_once_per_path(self):
+    target, draft = target_and_draft()  # T = 0 is a program of its own (`sampling.Paths`)
+    with decode_traces(n=2) as traced:
       for temperature in (0.0, 0.3, 0.7, 1.0, 2.0):
         specjax.generate(target, [[1, 2, 3]] * 2, max_new_tokens=21, draft=draft, gamma=3,
                          temperature=temperature, top_p=0.9)
-    self.assertEqual(len(traced), 1)
+    self.assertEqual(len(traced), 2)
 
 
 class NgramSizedTest(parameterized.TestCase):

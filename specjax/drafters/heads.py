@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from specjax.models import heads as heads_lib
 from specjax.models import kv_cache
-from specjax.processors.sampling import argmax, process_logits, sample
+from specjax.processors.sampling import argmax, pick_by_paths, process_logits, sample
 
 SAMPLE_MODES = ("probabilistic", "greedy")
 
@@ -61,13 +61,14 @@ def _pick(sample_mode: str, key, logits, sampling):
     return y, jax.nn.one_hot(y, logits.shape[-1], dtype=jnp.float32)
 
   def drawn():
-    q = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+    q = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p,
+                       sampling.paths)
     return sample(key, q), q
 
   if sample_mode == "greedy":
     return greedy()
   # At temperature 0 q is the one-hot argmax: skip the random numbers a draw costs.
-  return jax.lax.cond(jnp.all(sampling.temperature <= 0), greedy, drawn)
+  return pick_by_paths(sampling, greedy, drawn)
 
 
 def _known(features, positions, n):

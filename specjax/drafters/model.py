@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from specjax.models import kv_cache
 from specjax.models import model as model_lib
 from specjax.models.config import ModelConfig
-from specjax.processors.sampling import argmax, sample
+from specjax.processors.sampling import argmax, pick_by_paths, sample
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +54,7 @@ class ModelDrafter:
     if self.sample_mode == "greedy":
       return greedy()
     # At temperature 0 q is the one-hot argmax: skip the V random numbers a draw costs.
-    return jax.lax.cond(jnp.all(sampling.temperature <= 0), greedy, draw)
+    return pick_by_paths(sampling, greedy, draw)
 
   def _catch_up(self, params, kv, tokens, n):
     """Feeds the draft up to the pending token: (its logits [B, V], kv of length n).

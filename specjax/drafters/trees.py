@@ -23,6 +23,7 @@ from specjax.models import heads as heads_lib
 from specjax.models import kv_cache
 from specjax.models import model as model_lib
 from specjax.processors import history as processors
+from specjax.processors.sampling import pick_by_paths
 from specjax.trees import Tree
 
 
@@ -62,7 +63,7 @@ def draw_children(sample_mode, key, logits, sampling, k, history):
   # At T = 0 q is a point mass: its one draw is the argmax and the rest fall back to the
   # draft's next-best logits, which is the top-k. The walk judges those with the
   # point-mass rule once q's support is used up, so they stay exact.
-  return jax.lax.cond(jnp.all(sampling.temperature <= 0), top, draws), q
+  return pick_by_paths(sampling, top, draws), q
 
 
 def _frontier_history(sampling):

@@ -10,6 +10,7 @@ the first argmax of the raw logits, not a small temperature.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import flax.struct
@@ -20,6 +21,31 @@ import numpy as np
 from specjax.models import cpu_kernels
 from specjax.models import model as model_lib
 from specjax.processors import history as processors
+
+
+@dataclasses.dataclass(frozen=True)
+class Paths:
+  """What the host knows of a batch's settings, so the traced program holds only the path
+  that runs: a conditional in a decode loop brings its predicate to the host every
+  round on XLA:GPU. None: not known (a `lax.cond` decides, as for any traced values).
+
+  greedy: every row at temperature 0 (True), none (False), or some of them (None).
+  filters: some row has top-k > 0 or top-p < 1.
+  deep_top_k: some row's top-k lies past the sorted head the filter looks in first.
+  A temperature sweep compiles one program per path: T = 0, T > 0, T > 0 with filters.
+  """
+  greedy: bool | None = None
+  filters: bool | None = None
+  deep_top_k: bool | None = None
+
+  @classmethod
+  def of(cls, temperature, top_k, top_p) -> "Paths":
+    t, k, p = (np.asarray(x) for x in (temperature, top_k, top_p))
+    greedy = True if np.all(t <= 0) else (False if np.all(t > 0) else None)
+    if greedy:  # a one-hot argmax: no filter runs
+      return cls(greedy=True, filters=False, deep_top_k=False)
+    return cls(greedy=greedy, filters=bool(np.any(k > 0) or np.any(p < 1)),
+               deep_top_k=bool(np.any(k > _HEAD)))
 
 
 @flax.struct.dataclass
@@ -40,6 +66,7 @@ class Sampling:
   history: Any = None  # processors.History of the committed prefix, set each round
   pcfg: processors.ProcessorConfig = flax.struct.field(
       pytree_node=False, default=processors.ProcessorConfig())
+  paths: Paths = flax.struct.field(pytree_node=False, default=Paths())
 
   @classmethod
   def create(cls, batch: int, temperature=1.0, top_k=0, top_p=1.0, max_new=0,
@@ -56,7 +83,8 @@ class Sampling:
         temperature=row(temperature, np.float32), top_k=row(top_k, np.int32),
         top_p=row(top_p, np.float32), max_new=row(max_new, np.int32),
         stop_seqs=np.asarray(stop_seqs, np.int32), stop_lens=np.asarray(stop_lens, np.int32),
-        procs=procs if pcfg.active else None, pcfg=pcfg)
+        procs=procs if pcfg.active else None, pcfg=pcfg,
+        paths=Paths.of(temperature, top_k, top_p))
     if repeat > 1:
       host = map_rows(host, lambda x: np.repeat(np.asarray(x), repeat, 0))
     # Calls with the same settings share their device arrays (immutable): the transfer
@@ -86,7 +114,7 @@ class Sampling:
   def process(self, logits: jax.Array, history=None, banned=None) -> jax.Array:
     """logits [B, ..., V] -> the distributions sampled from (processors need [B, V])."""
     return process_logits(self.adjust(logits, history, banned), self.temperature,
-                          self.top_k, self.top_p)
+                          self.top_k, self.top_p, self.paths)
 
   def advance(self, history, token):
     """The history after appending token int32[B] (None stays None)."""
@@ -142,12 +170,13 @@ def argmax(logits: jax.Array) -> jax.Array:
   return jnp.min(jnp.where(at_top, index, logits.shape[-1] - 1), axis=-1)
 
 
-def process_logits(logits: jax.Array, temperature, top_k, top_p) -> jax.Array:
+def process_logits(logits: jax.Array, temperature, top_k, top_p,
+                   paths: Paths = Paths()) -> jax.Array:
   """logits [..., V] -> probabilities [..., V] (float32) after all processing.
 
   temperature/top_k/top_p are scalars or arrays whose shape is a prefix of the leading
   axes of `logits` (e.g. per-row [B] for logits [B, T, V]). top_k = 0 and top_p = 1
-  disable the filters.
+  disable the filters. `paths`: what is known of them on the host (`Paths`).
   """
   logits = logits.astype(jnp.float32)
   lead, vocab = logits.shape[:-1], logits.shape[-1]
@@ -156,18 +185,33 @@ def process_logits(logits: jax.Array, temperature, top_k, top_p) -> jax.Array:
   top_p = _param(top_p, lead, jnp.float32)[..., None]
 
   greedy = temperature <= 0.0
-  one_hot = jax.nn.one_hot(argmax(logits), vocab, dtype=jnp.float32)
+  one_hot = lambda: jax.nn.one_hot(argmax(logits), vocab, dtype=jnp.float32)
+  if paths.greedy:  # an all-greedy batch (every T = 0 sweep point): no softmax or filters
+    return one_hot()
+
+  def filtered(scaled):
+    if paths.filters is None:
+      return jax.lax.cond(jnp.any(top_k > 0) | jnp.any(top_p < 1.0),
+                          _filter_top_k_top_p, lambda s, k, p: s, scaled, top_k, top_p)
+    return _filter_top_k_top_p(scaled, top_k, top_p, paths) if paths.filters else scaled
 
   def processed():
     # Shifting by the max first keeps tiny temperatures from overflowing to inf - inf.
     shifted = logits - jnp.max(logits, axis=-1, keepdims=True)
-    scaled = shifted / jnp.where(greedy, 1.0, temperature)
-    filtered = jax.lax.cond(jnp.any(top_k > 0) | jnp.any(top_p < 1.0),
-                            _filter_top_k_top_p, lambda s, k, p: s, scaled, top_k, top_p)
-    return jnp.where(greedy, one_hot, jax.nn.softmax(filtered, axis=-1))
+    probs = jax.nn.softmax(filtered(shifted / jnp.where(greedy, 1.0, temperature)), axis=-1)
+    return probs if paths.greedy is False else jnp.where(greedy, one_hot(), probs)
 
-  # An all-greedy batch (every T = 0 sweep point) needs no softmax or filters.
-  return jax.lax.cond(jnp.all(greedy), lambda: one_hot, processed)
+  if paths.greedy is None and paths.filters is None:  # nothing known: decided when run
+    return jax.lax.cond(jnp.all(greedy), one_hot, processed)
+  return processed()
+
+
+def pick_by_paths(sampling: Sampling, greedy, sampled):
+  """greedy() where every row is at temperature 0, else sampled(): chosen on the host
+  where `sampling.paths` knows, else by a conditional."""
+  if sampling.paths.greedy is None:
+    return jax.lax.cond(jnp.all(sampling.temperature <= 0), greedy, sampled)
+  return greedy() if sampling.paths.greedy else sampled()
 
 
 def agreement(q_logits: jax.Array, p_logits: jax.Array) -> dict[str, jax.Array]:
@@ -187,7 +231,7 @@ def agreement(q_logits: jax.Array, p_logits: jax.Array) -> dict[str, jax.Array]:
 _HEAD = 64
 
 
-def _filter_top_k_top_p(scaled, top_k, top_p):
+def _filter_top_k_top_p(scaled, top_k, top_p, paths: Paths = Paths()):
   """Sets logits outside the top-k / top-p support to -inf (ties at a cut are kept).
 
   top-k keeps logits >= the k-th largest; top-p then keeps the smallest head of the
@@ -199,8 +243,14 @@ def _filter_top_k_top_p(scaled, top_k, top_p):
 
   k_in_head = (top_k <= head)
   kth = jnp.take_along_axis(head_vals, jnp.clip(top_k - 1, 0, head - 1), axis=-1)
-  kth = jax.lax.cond(jnp.all(k_in_head | (top_k <= 0)), lambda: kth, lambda: jnp.where(
-      k_in_head, kth, _largest_cut(scaled, jnp.ones_like(scaled), top_k.astype(jnp.float32))))
+  deep_k = lambda: jnp.where(
+      k_in_head, kth, _largest_cut(scaled, jnp.ones_like(scaled), top_k.astype(jnp.float32)))
+  if paths.deep_top_k is None:
+    kth = jax.lax.cond(jnp.all(k_in_head | (top_k <= 0)), lambda: kth, deep_k)
+  elif paths.deep_top_k:
+    kth = deep_k()
+  # Where the top-p cut lies depends on the logits: it stays a conditional (a bisection
+  # over the vocabulary is too dear to run every step), in programs with top-p only.
   kth = jnp.where(top_k > 0, kth, -jnp.inf)
 
   kept = jnp.where(scaled >= kth, scaled, -jnp.inf)

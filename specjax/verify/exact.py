@@ -111,15 +111,17 @@ def point_masses(ps: jax.Array) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class ExactRule:
   """The lossless rule above. A verify rule is a frozen dataclass (a static argument of
-  the engine) with `lossless` and `__call__(keys[B], ys[B, γ], qs[B, γ, V], ps[B, γ+1, V])
-  -> (n_accepted int32[B], next_token int32[B], overlap float32[B, γ])`; any rule other
-  than this one must set `lossless = False`.
+  the engine) with `lossless` and `__call__(keys[B], ys[B, γ], qs[B, γ, V], ps[B, γ+1, V],
+  greedy) -> (n_accepted int32[B], next_token int32[B], overlap float32[B, γ])`; any
+  rule other than this one must set `lossless = False`. `greedy` (static,
+  `sampling.Paths.greedy`): every row at temperature 0 (True), none (False), unknown.
   """
   lossless = True
 
-  def __call__(self, keys, ys, qs, ps):
+  def __call__(self, keys, ys, qs, ps, greedy=None):
     # Every p a point mass (temperature 0 on every row): the same tokens from argmaxes
-    # and gathers, without V random numbers per row (drawing them was a fifth of a
-    # target-only round on the shipped target on a CPU) or passes over the vocabulary.
-    return jax.lax.cond(point_masses(ps), verify_point_masses, verify_batch,
-                        keys, ys, qs, ps)
+    # and gathers, without V random numbers per row or passes over the vocabulary.
+    if greedy is None:  # decided when run
+      return jax.lax.cond(point_masses(ps), verify_point_masses, verify_batch,
+                          keys, ys, qs, ps)
+    return (verify_point_masses if greedy else verify_batch)(keys, ys, qs, ps)

@@ -39,11 +39,12 @@ class Chain:
       return None
     return processors.prefix_histories(sampling.pcfg, sampling.procs, history, ys)
 
-  def verify(self, engine, row_keys, ys, qs, ps, lengths, key):
+  def verify(self, engine, row_keys, ys, qs, ps, lengths, key, greedy=None):
     """(n_accepted, next_token, overlap, path, by_rank, committed ys): path and by_rank
-    None for a chain; ys as drafted."""
-    n_accepted, next_token, overlap = engine.rule(row_keys, ys, qs, ps)
-    n_accepted, next_token = engine.policy.settle(n_accepted, next_token, ps, lengths, key)
+    None for a chain; ys as drafted. greedy: `sampling.Paths.greedy` (static)."""
+    n_accepted, next_token, overlap = engine.rule(row_keys, ys, qs, ps, greedy)
+    n_accepted, next_token = engine.policy.settle(n_accepted, next_token, ps, lengths, key,
+                                                  greedy)
     return n_accepted, next_token, overlap, None, None, ys
 
   def before_each(self, path):
@@ -75,7 +76,7 @@ class TreeLayout:
     return processors.tree_histories(sampling.pcfg, sampling.procs, history, ys,
                                      self.tree.parents)
 
-  def verify(self, engine, row_keys, ys, qs, ps, lengths, key):
+  def verify(self, engine, row_keys, ys, qs, ps, lengths, key, greedy=None):
     n_accepted, next_token, overlap, path, by_rank = tree_verify.walk_batch(
         row_keys, ys, qs, ps, self.tree, self.deterministic)
     return n_accepted, next_token, overlap, path, by_rank, jnp.take_along_axis(

@@ -98,7 +98,7 @@ class TypicalRule:
         raise ValueError(f"typical rule {name} must be in (0, 1], got {value}")
       object.__setattr__(self, name, value)
 
-  def __call__(self, keys, ys, qs, ps):
+  def __call__(self, keys, ys, qs, ps, greedy=None):
     row = functools.partial(_typical_row, epsilon=self.epsilon, delta=self.delta)
     return jax.vmap(row)(keys, ys, qs, ps)
 
@@ -120,7 +120,7 @@ class ThresholdRule:
     object.__setattr__(self, "ratio", ratio)
     object.__setattr__(self, "floor", floor)
 
-  def __call__(self, keys, ys, qs, ps):
+  def __call__(self, keys, ys, qs, ps, greedy=None):
     row = functools.partial(_threshold_row, ratio=self.ratio, floor=self.floor)
     return jax.vmap(row)(keys, ys, qs, ps)
 
@@ -147,7 +147,7 @@ class SyntheticRule:
                        f"unconditional: P(position i accepted)), got {list(rates)}")
     object.__setattr__(self, "rates", rates)
 
-  def __call__(self, keys, ys, qs, ps):
+  def __call__(self, keys, ys, qs, ps, greedy=None):
     if len(self.rates) != ys.shape[1]:
       raise ValueError(f"synthetic rule has {len(self.rates)} rates for γ = {ys.shape[1]}")
     row = functools.partial(_synthetic_row, rates=self.rates)
