@@ -36,6 +36,7 @@ from absl import flags  # noqa: E402
 
 import specjax  # noqa: E402
 from experiments import common  # noqa: E402
+from specjax import backends  # noqa: E402
 from specjax import costs  # noqa: E402
 from specjax.models import kv_cache  # noqa: E402
 from specjax.models import model as model_lib  # noqa: E402
@@ -58,7 +59,7 @@ _TV_PROMPTS = flags.DEFINE_integer("tv_prompts", 32, "Held-out prompts for the T
 _TV_TOKENS = flags.DEFINE_integer("tv_tokens", 128, "Tokens per TV prompt (every position).")
 _KV_BATCH = flags.DEFINE_integer("kv_batch", 8, "Rows of the 8B KV cache.")
 _KV_TOKENS = flags.DEFINE_integer("kv_tokens", 8192, "Slots per row of the 8B KV cache.")
-_ROWWISE = flags.DEFINE_integer("rowwise_max_rows", -1, "Set model.CPU_ROWWISE_MAX_ROWS "
+_ROWWISE = flags.DEFINE_integer("rowwise_max_rows", -1, "Set backends.Options.rowwise_max_rows "
                                 "(0: off; -1: leave the default).")
 _SKIP = flags.DEFINE_list("skip", [], "Parts to skip: memory, tv, speed.")
 _OUT = flags.DEFINE_string("out", None, "Write the results as JSON here.")
@@ -200,12 +201,12 @@ def tv_distances(target, prompts):
 def main(argv):
   del argv
   if _ROWWISE.value >= 0:
-    model_lib.CPU_ROWWISE_MAX_ROWS = _ROWWISE.value
+    backends.set_default_options(backends.Options(rowwise_max_rows=_ROWWISE.value))
   target, draft = common.load_pair(_TARGET.value, _DRAFT.value)
   report = {"machine": costs.machine_info(), "target": _TARGET.value, "draft": _DRAFT.value,
             "batch": _BATCH.value, "gamma": _GAMMA.value, "temperature": _TEMPERATURE.value,
             "max_new_tokens": _MAX_NEW.value,
-            "cpu_rowwise_max_rows": getattr(model_lib, "CPU_ROWWISE_MAX_ROWS", None)}
+            "cpu_rowwise_max_rows": backends.default_options().rowwise_max_rows}
   if "memory" not in _SKIP.value:
     report["memory"] = [memory(m, jnp.bfloat16, q) for m in ("1x1", "1x8")
                         for q in (False, True)]

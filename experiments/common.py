@@ -285,7 +285,7 @@ KERNEL_FLOOR_SOURCE = Path(__file__).with_name("kernel_floor.cc")
 def laid_out_panels(model) -> list:
   """Every matrix a forward multiplies through specjax's kernel, as the panels
   `model.host_layout` lays out ([N / 16, K, 16], float32 or bfloat16)."""
-  from specjax.models import cpu_kernels
+  from specjax.backends.cpu import kernels as cpu_kernels
   from specjax.models import model as model_lib
   leaves = [leaf for leaf in jax.tree_util.tree_leaves(model_lib.host_layout(model.params))
             if leaf.ndim == 3 and leaf.shape[2] == cpu_kernels.PANEL]
@@ -314,7 +314,7 @@ def llama_shapes(d_model: int, n_layers: int, d_ff: int, vocab: int) -> list[tup
 def build_kernel_floor(out_dir: str) -> Path:
   """Compiles kernel_floor.cc (the kernel of specjax/models/fewrow.cc in a C++ loop) with
   the flags specjax's own library is built with; returns the program's path."""
-  from specjax.models import cpu_kernels
+  from specjax.backends.cpu import kernels as cpu_kernels
   compiler = cpu_kernels.compiler()
   flags = [f for f in cpu_kernels._flags() if f not in ("-shared", "-fPIC")]
   exe = Path(out_dir) / "kernel_floor"
@@ -332,7 +332,7 @@ def run_kernel_floor(exe: Path, shapes, bf16: bool = True, reps: int = 200,
   "weight_bytes", "rows": {R: {"one_thread_us", "two_threads_us", "no_prefetch_us"}}}:
   the weights prefetched as `cpu_kernels.PREFETCH_MIN_BYTES` says (and, no_prefetch,
   never), two threads unless said."""
-  from specjax.models import cpu_kernels
+  from specjax.backends.cpu import kernels as cpu_kernels
   env = dict(os.environ, FLOOR_REPS=str(reps), FLOOR_BF16="1" if bf16 else "0",
              FLOOR_PREFETCH_MIN_BYTES=str(cpu_kernels.PREFETCH_MIN_BYTES))
   if check:

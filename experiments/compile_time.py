@@ -4,7 +4,7 @@ r"""Compile time of a token tree's program: the verify walk's loops rolled again
 
 For each tree (the shipped pair, draft model or prompt lookup, batch --batch, T = 1) the
 whole `generate` program (`decode.decode`) is traced, lowered and compiled with the walk's
-loops rolled (what a CPU runs, `trees.UNROLL_WALK = False`) and unrolled (what an
+loops rolled (what a CPU runs, `Engine.unroll_walk = False`) and unrolled (what an
 accelerator runs, and what every backend ran before), alternately, --rounds times, with
 jax's caches cleared before each so nothing is reused; then both compiled programs run the
 same call alternately (--calls pairs) and must give the same tokens. Printed per tree:
@@ -14,6 +14,7 @@ the per-pair ratio of the calls' times (rolled / unrolled).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import time
@@ -28,7 +29,6 @@ from experiments.common import heldout_prompts, load_pair
 from specjax import costs
 from specjax import decode as decode_lib
 from specjax import generation
-from specjax import trees
 
 _TARGET = flags.DEFINE_string("target", "stdlib-target", "Target name or directory.")
 _DRAFT = flags.DEFINE_string("draft", "stdlib-draft", "Draft model: name or directory.")
@@ -44,16 +44,16 @@ _OUT = flags.DEFINE_string("out", None, "Write the results as JSON here.")
 def compiled(prepared: generation.Prepared, key, unroll: bool):
   """(seconds to trace, lower and compile, the compiled program, its HLO lines)."""
   jax.clear_caches()  # else the second form reuses the first one's trace
-  trees.UNROLL_WALK = unroll
+  engine = dataclasses.replace(prepared.engine, unroll_walk=unroll)
   try:
     start = time.perf_counter()
     program = decode_lib.decode.lower(
-        prepared.engine, prepared.prompt_width, prepared.cache_size,
+        engine, prepared.prompt_width, prepared.cache_size,
         decode_lib.laid_out(prepared.engine, prepared.weights), prepared.tokens,
         prepared.prompt_len, prepared.sampling, key).compile()
     seconds = time.perf_counter() - start
   finally:
-    trees.UNROLL_WALK = None
+    pass
   return seconds, program, program.as_text().count("\n")
 
 

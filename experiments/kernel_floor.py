@@ -33,7 +33,7 @@ from absl import flags
 
 from experiments import common
 from specjax import costs
-from specjax.models import cpu_kernels
+from specjax.backends.cpu import kernels as cpu_kernels
 from specjax.models.pretrained import load_pretrained
 
 _MODEL = flags.DEFINE_string("model", "stdlib-target", "Model name or directory.")

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import os
 import platform
 import re
@@ -71,7 +72,8 @@ import jax.numpy as jnp  # noqa: E402
 from experiments import common  # noqa: E402
 from specjax import costs  # noqa: E402
 from specjax import decode as decode_lib  # noqa: E402
-from specjax.models import cpu_kernels  # noqa: E402
+from specjax import backends  # noqa: E402
+from specjax.backends.cpu import kernels as cpu_kernels  # noqa: E402
 from specjax.models import kv_cache  # noqa: E402
 from specjax.models import model as model_lib  # noqa: E402
 from specjax.models.pretrained import load_pretrained  # noqa: E402
@@ -91,16 +93,16 @@ _COMPARE = flags.DEFINE_bool("compare", True, "Pair every pass with the same pas
                              "--off turned off.")
 _OFF = flags.DEFINE_enum("off", "kernels", ["kernels", "rowwise", "fused", "bf16"], "What "
                          "--compare and --rounds turn off: kernels = specjax's few-row CPU "
-                         "kernels (cpu_kernels.ENABLED = False: the row-by-row XLA products "
+                         "kernels (Options(kernels=False): the row-by-row XLA products "
                          "of before); rowwise = both, and row by row "
-                         "(model.CPU_ROWWISE_MAX_ROWS = 0: XLA's own products with the rows "
-                         "together); fused = only the fused layer calls (model."
-                         "CPU_FUSED_LAYERS = False: a kernel per product and per "
+                         "(Options(rowwise_max_rows=0): XLA's own products with the rows "
+                         "together); fused = only the fused layer calls (Options("
+                         "fused_layers=False): a kernel per product and per "
                          "attention, XLA's norms, RoPE, SwiGLU, residuals and KV writes); "
-                         "bf16 = bfloat16 panels (cpu_kernels.BF16_PANELS = False: float32 "
+                         "bf16 = bfloat16 panels (Options(bf16_panels=False): float32 "
                          "panels for bfloat16-valued weights).")
 _ROWWISE = flags.DEFINE_integer("rowwise_max_rows", None, "Override "
-                                "model.CPU_ROWWISE_MAX_ROWS for everything timed.")
+                                "backends.Options.rowwise_max_rows for everything timed.")
 _ROUNDS = flags.DEFINE_list("rounds", [], "Drafters (none, ngram, model, eagle, medusa) "
                             "whose decode rounds, γ = 4, T = 0, are timed with --off's "
                             "choice on and off.")
@@ -123,25 +125,18 @@ _FLOOR = flags.DEFINE_integer("floor_tokens", 64, "Also time a pass of this many
 
 @contextlib.contextmanager
 def rowwise_max(rows: int, kernels: bool = True, fused: bool = True, bf16: bool = True):
-  """Traces inside the block use `model.CPU_ROWWISE_MAX_ROWS = rows`,
-  `cpu_kernels.ENABLED = kernels`, `model.CPU_FUSED_LAYERS = fused` and
-  `cpu_kernels.BF16_PANELS = bf16` (timers lay out and compile here)."""
-  saved = (model_lib.CPU_ROWWISE_MAX_ROWS, cpu_kernels.ENABLED, model_lib.CPU_FUSED_LAYERS,
-           cpu_kernels.BF16_PANELS)
-  model_lib.CPU_ROWWISE_MAX_ROWS, cpu_kernels.ENABLED = rows, kernels
-  model_lib.CPU_FUSED_LAYERS, cpu_kernels.BF16_PANELS = fused, bf16
-  decode_lib._LAYOUTS.clear()  # a call's layout is kept: lay it out again in here
-  try:
-    yield
-  finally:
-    (model_lib.CPU_ROWWISE_MAX_ROWS, cpu_kernels.ENABLED,
-     model_lib.CPU_FUSED_LAYERS, cpu_kernels.BF16_PANELS) = saved
-    decode_lib._LAYOUTS.clear()
+  """Traces inside the block run on `backends.Options(rowwise_max_rows=rows,
+  kernels=kernels, fused_layers=fused, bf16_panels=bf16)` (timers lay out and compile
+  here, each a program of its own)."""
+  options = backends.Options(rowwise_max_rows=rows, kernels=kernels, fused_layers=fused,
+                             bf16_panels=bf16)
+  with backends.use(backends.select(options)):
+    yield options
 
 
 def switched(off: bool):
   """`rowwise_max` with --off's choice turned off (off=True) or everything on."""
-  rows = model_lib.CPU_ROWWISE_MAX_ROWS
+  rows = backends.default_options().rowwise_max_rows
   if not off:
     return rowwise_max(rows)
   return {"kernels": lambda: rowwise_max(rows, kernels=False),
@@ -190,7 +185,8 @@ def piece_timers(model, batch, t, context, cache_size, iters):
   def attention(block, i, carry):
     x, bufs = carry
     q, k, v = stand_ins(x)
-    out = model_lib.attend(q, k, v, (bufs[2 * i], bufs[2 * i + 1], length))
+    out = backends.current().attend(model_lib.attend, q, k, v,
+                                    (bufs[2 * i], bufs[2 * i + 1], length), None)
     # Touch one slot past the history so the buffers are loop-variant (as in decoding).
     k_buf = bufs[2 * i].at[:, :, -1, :1].set(out[:, 0, None, :1])
     return fold(x, out), bufs[:2 * i] + (k_buf,) + bufs[2 * i + 1:]
@@ -213,7 +209,7 @@ def piece_timers(model, batch, t, context, cache_size, iters):
       "KV write (k and v)": (over_layers(kv_write), (x0, bufs)),
       "out projection": (over_layers(lambda b, i, x: fold(x, b.attn.out(x))), x0),
       "MLP (up, SwiGLU, down)": (over_layers(lambda b, i, x: fold(x, b.mlp(x))), x0),
-      "LM head": (lambda x: fold(x, model_lib.rowwise(head, x)), x0),
+      "LM head": (lambda x: fold(x, head(x)), x0),  # the backend's product, row by row
       "process_logits (T=1.0)": (
           lambda z: z + 1e-3 * sampling.process_logits(z, temperature, top_k, top_p), logits0),
       "empty loop step": (lambda x: x * 0.999, x0),
@@ -340,7 +336,7 @@ def print_table(title, rows, ts, times, t1_of):
 def main(argv):
   del argv
   if _ROWWISE.value is not None:
-    model_lib.CPU_ROWWISE_MAX_ROWS = _ROWWISE.value
+    backends.set_default_options(backends.Options(rowwise_max_rows=_ROWWISE.value))
   model = load_pretrained(_TARGET.value)
   cfg, batch, iters, pairs = model.config, _BATCH.value, _ITERS.value, _PAIRS.value
   context, cache = _CONTEXT.value, _CACHE.value
@@ -351,7 +347,7 @@ def main(argv):
   print(f"{_TARGET.value}: {model.num_params / 1e6:.2f}M params, batch {batch}, cache "
         f"{cache} slots, context {context}; medians of {pairs} interleaved rounds, "
         f"{iters} calls per timed loop; projections and attention row by row for 2.."
-        f"{model_lib.CPU_ROWWISE_MAX_ROWS} rows\n")
+        f"{backends.default_options().rowwise_max_rows} rows\n")
 
   if _TRACE.value:
     # Each round traces one loop per T, T = 1 first.
@@ -579,8 +575,9 @@ def round_table(model, context, pairs, rounds=16):
     prepared = prepared_rounds(model, prompt, name, 0 if name == "none" else 4, rounds)
     timers = {}
     for on in (True, False):
-      with switched(not on):
-        timers[on] = costs.round_timer(prepared, rounds)
+      with switched(not on) as options:  # a round runs on its engine's options
+        engine = dataclasses.replace(prepared.engine, backend_options=options)
+        timers[on] = costs.round_timer(dataclasses.replace(prepared, engine=engine), rounds)
     got = costs.paired(timers[True], timers[False], pairs=pairs, timers=True)
     print(f"| {name} | {statistics.median(got['method_s']) * 1e3:.3f} | "
           f"{statistics.median(got['baseline_s']) * 1e3:.3f} | "
