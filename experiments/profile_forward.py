@@ -71,7 +71,6 @@ import jax.numpy as jnp  # noqa: E402
 
 from experiments import common  # noqa: E402
 from specjax import costs  # noqa: E402
-from specjax import decode as decode_lib  # noqa: E402
 from specjax import backends  # noqa: E402
 from specjax.backends.cpu import kernels as cpu_kernels  # noqa: E402
 from specjax.models import kv_cache  # noqa: E402

@@ -5,6 +5,11 @@ parameters, which travel as a plain nested dict through `jax.jit`-ed functions a
 merged back inside. Attention is written by hand (`specjax.models.layers.attend`, not Flax's
 decode cache) because every row of a batch writes at its own position and a verify pass
 writes several tokens.
+
+The heavy ops (dense products, the embedding lookup, cached attention, and where a
+backend offers it a whole layer) run on the backend being traced (`specjax.backends`,
+chosen once per compiled program): the model's own jnp code on an accelerator, specjax's
+few-row kernels over weights laid out in panels on a CPU (`backends.cpu`).
 """
 
 from __future__ import annotations
@@ -232,7 +237,8 @@ def head_logits(x, embed: Embed, final_norm, lm_head: Dense | None, fused: bool,
   head's product (`Backend.head`), on the first `live` positions of x [B, T, d]."""
   backend = backends.current()
   head = (embed.embedding if lm_head is None else lm_head.kernel)[...]
-  if (fused and backend.laid_out(head) and isinstance(final_norm, nnx.RMSNorm)
+  if (fused and backend.options.fused_layers and backend.laid_out(head)
+      and isinstance(final_norm, nnx.RMSNorm)
       and (lm_head is None or lm_head.bias is None)):
     return backend.head(x, head, final_norm.scale[...], final_norm.epsilon, live)
   x = final_norm(x)
