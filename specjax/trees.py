@@ -468,7 +468,10 @@ def walk(key, node_tokens, node_q, ps, tree: Tree, deterministic: bool, unroll=N
   return n_accepted, next_token, overlap, path, (tried, taken, chance)
 
 
-walk_batch = jax.vmap(walk, in_axes=(0, 0, 0, 0, None, None, None))
+def walk_batch(keys, node_tokens, node_q, ps, tree: Tree, deterministic: bool, unroll=None):
+  """`walk` of each row (vmapped over the first four); tree, deterministic, unroll shared."""
+  return jax.vmap(lambda *rows: walk(*rows, tree, deterministic, unroll))(
+      keys, node_tokens, node_q, ps)
 
 
 
