@@ -6,7 +6,7 @@ setup(
     description="Lossless speculative decoding in JAX/Flax",
     python_requires=">=3.11",
     packages=find_packages(include=["specjax", "specjax.*"]),
-    package_data={"specjax": ["py.typed"], "specjax.models": ["fewrow.cc"]},
+    package_data={"specjax": ["py.typed"], "specjax.backends.cpu": ["fewrow.cc"]},
     install_requires=[
         "jax>=0.4.35",
         "flax>=0.12.0",

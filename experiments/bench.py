@@ -59,6 +59,7 @@ from ml_collections import config_flags
 
 import specjax
 from experiments import common
+from specjax import backends
 from specjax import rng
 from specjax import costs
 from specjax import ledger
@@ -142,7 +143,7 @@ flags.DEFINE_integer("tv_prompts", None, "sharding: held-out prompts for the TV 
 flags.DEFINE_integer("tv_tokens", None, "sharding: tokens per TV prompt (every position).")
 flags.DEFINE_integer("kv_batch", None, "sharding: rows of the 8B KV cache.")
 flags.DEFINE_integer("kv_tokens", None, "sharding: slots per row of the 8B KV cache.")
-flags.DEFINE_integer("rowwise_max_rows", None, "sharding: set model.CPU_ROWWISE_MAX_ROWS "
+flags.DEFINE_integer("rowwise_max_rows", None, "sharding: set backends.Options.rowwise_max_rows "
                      "(0: off; -1: leave the default).")
 flags.DEFINE_list("skip", None, "sharding: parts to skip (memory, tv, speed).")
 # processors
@@ -338,7 +339,6 @@ def part_synthetic(s):
 
 def part_sharding(s):
   from experiments import accel
-  from specjax.models import model as model_lib
   # 8 host-platform devices unless XLA_FLAGS names a count: they share this machine's
   # cores, so a mesh cannot be faster than one device for real here; the speed part
   # measures what sharding costs in collectives and partitioned programs.
@@ -348,12 +348,12 @@ def part_sharding(s):
     except RuntimeError:  # a backend already started: the devices are what they are
       pass
   if s.rowwise_max_rows >= 0:
-    model_lib.CPU_ROWWISE_MAX_ROWS = s.rowwise_max_rows
+    backends.set_default_options(backends.Options(rowwise_max_rows=s.rowwise_max_rows))
   target, draft = common.load_pair(s.target, s.draft)
   report = {"machine": costs.machine_info(), "target": s.target, "draft": s.draft,
             "batch": _one(s, "batch"), "gamma": s.gamma,
             "temperature": _one(s, "temperature"), "max_new_tokens": s.max_new_tokens,
-            "cpu_rowwise_max_rows": getattr(model_lib, "CPU_ROWWISE_MAX_ROWS", None)}
+            "cpu_rowwise_max_rows": backends.default_options().rowwise_max_rows}
   if "memory" not in s.skip:
     report["memory"] = [accel.memory(m, jnp.bfloat16, q, s.kv_batch, s.kv_tokens)
                         for m in ("1x1", "1x8") for q in (False, True)]

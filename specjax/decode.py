@@ -25,7 +25,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from specjax.models import cpu_kernels
+from specjax import backends
 from specjax.models import kv_cache
 from specjax.models import model as model_lib
 from specjax import policies
@@ -62,10 +62,31 @@ class Engine:
   # Rows per prompt: `samples` adjacent rows hold the same prompt, and the prefill
   # computes each prompt once and copies its caches (`generate`'s n).
   samples: int = 1
+  # What the forwards may do on this platform (`specjax.backends.Options`: the CPU
+  # kernels, fused layers, row-by-row products, the narrow pass, bfloat16 panels);
+  # None: the process's (`backends.default_options`, fixed once used).
+  backend_options: backends.Options | None = None
+  # A tree walk's loops unrolled (True), rolled (False), or by platform (None: unrolled
+  # but on a CPU); the same numbers either way (`experiments.compile_time`).
+  unroll_walk: bool | None = None
 
   @property
   def gamma(self) -> int:
     return self.drafter.gamma
+
+  @property
+  def backend(self) -> backends.Backend:
+    """What every forward of this engine runs on (on a mesh, its rows kept together)."""
+    return backends.select(self.backend_options, whole_rows=self.mesh is not None)
+
+
+def _on_backend(fn):
+  """fn(engine, ...) traced on `engine.backend` (`backends.use`), wherever it is called."""
+  @functools.wraps(fn)
+  def run(engine, *args, **kwargs):
+    with backends.use(engine.backend):
+      return fn(engine, *args, **kwargs)
+  return run
 
 
 @flax.struct.dataclass
@@ -252,16 +273,13 @@ def _target_pass(engine: Engine, params, tokens, kv, empty=False, **layout):
   return logits, kv, None
 
 
-# On a CPU the verify pass computes only the tokens of the round's longest draft
-# (`_verify_pass`); False: always all γ + 1 (for measurement).
-CPU_NARROW_PASS = True
-
-
 def narrows(engine: Engine, params, kv, width: int) -> bool:
   """Whether a chain's verify pass of `width` tokens computes only the longest draft
-  (`_verify_pass`): where specjax's CPU kernels run the target's layers (static)."""
-  return (CPU_NARROW_PASS and engine.mesh is None and cpu_kernels.available()
-          and model_lib.runs_fused(model_lib.graphdef_for(engine.target), params, kv, width))
+  (`_verify_pass`): where the backend runs the target's layers in its own calls and
+  `backend_options.narrow_pass` (static)."""
+  backend = engine.backend
+  return (backend.narrow_pass and model_lib.runs_fused(
+      model_lib.graphdef_for(engine.target), params, kv, width, backend))
 
 
 def _verify_pass(engine: Engine, params, tokens, kv, lengths, done, narrow, **layout):
@@ -316,6 +334,7 @@ def _logprobs(logits, before, new, top: int) -> Logprobs:
   return Logprobs(chosen=picked - norm, top_values=values - norm[..., None], top_ids=ids)
 
 
+@_on_backend
 def decode_round(engine: Engine, weights: Weights, state: DecodeState,
                  sampling: Sampling) -> DecodeState:
   """One draft + verify round for every row: a pure function of its inputs."""
@@ -417,6 +436,7 @@ def _stops(sampling: Sampling, state: DecodeState, new, prefixes, before):
   return hits
 
 
+@_on_backend
 def prefill(engine: Engine, weights: Weights, tokens, prompt_len, prompt_width, cache_size,
             key, sampling: Sampling) -> DecodeState:
   """Builds both caches from the prompts; the last prompt token stays pending.
@@ -457,12 +477,10 @@ def prefill(engine: Engine, weights: Weights, tokens, prompt_len, prompt_width, 
 
 
 def cpu_layout(engine: Engine, weights: Weights) -> Weights:
-  """Both parameter sets as `model.cpu_layout` lays them out (unchanged off a CPU, and
-  on a mesh, whose rows stay together)."""
-  if engine.mesh is not None:
-    return weights
-  return Weights(target=model_lib.cpu_layout(weights.target),
-                 draft=model_lib.cpu_layout(weights.draft))
+  """Both parameter sets as `engine.backend` lays them out (`Backend.layout`: unchanged
+  but on a CPU with the kernels, and not on a mesh, whose rows stay together)."""
+  backend = engine.backend
+  return Weights(target=backend.layout(weights.target), draft=backend.layout(weights.draft))
 
 
 # The last laid-out parameter sets (`laid_out`). Each entry keeps the arrays it was made
@@ -484,7 +502,8 @@ def laid_out(engine: Engine, weights: Weights) -> Weights:
   A draft head's leaves that are the target's own arrays get the target's laid-out
   copies (`_shared`), not a second layout of their own.
   """
-  if engine.mesh is not None or not cpu_kernels.available():
+  backend = engine.backend
+  if not backend.kernels:
     return weights
   out, ids = [], []
   for params in (weights.target, weights.draft):
@@ -493,8 +512,8 @@ def laid_out(engine: Engine, weights: Weights) -> Weights:
     if not leaves:
       out.append(params)
       continue
-    key = tuple(id(leaf) for leaf in leaves)
-    entry = _LAYOUTS.pop(key, None) or (leaves, model_lib.host_layout(params))
+    key = (backend,) + tuple(id(leaf) for leaf in leaves)  # bf16_panels lays out others
+    entry = _LAYOUTS.pop(key, None) or (leaves, backend.host_layout(params))
     _LAYOUTS[key] = entry  # the most recent last
     while len(_LAYOUTS) > _LAYOUTS_KEPT:
       _LAYOUTS.popitem(last=False)
@@ -557,8 +576,8 @@ def run_loop(engine: Engine, weights: Weights, state: DecodeState, sampling: Sam
 def decode(engine: Engine, prompt_width: int, cache_size: int, weights: Weights, tokens,
            prompt_len, sampling: Sampling, key, max_rounds=NO_ROUND_LIMIT) -> DecodeState:
   """Prefill + every round (at most max_rounds), compiled once per (engine, shapes)."""
-  # On a mesh the batch is split over devices: no row-by-row CPU matmuls (`model.rowwise`).
-  with model_lib.whole_rows(engine.mesh is not None):
+  # On a mesh the batch is split over devices: no row-by-row CPU matmuls (`Engine.backend`).
+  with backends.use(engine.backend):
     # Once per call, outside the loop: XLA does not hoist the copy out of it.
     weights = cpu_layout(engine, weights)
     state = prefill(engine, weights, tokens, prompt_len, prompt_width, cache_size, key,
@@ -571,7 +590,7 @@ def decode(engine: Engine, prompt_width: int, cache_size: int, weights: Weights,
 def start(engine: Engine, prompt_width: int, cache_size: int, weights: Weights, tokens,
           prompt_len, sampling: Sampling, key) -> DecodeState:
   """`decode`'s prefill alone: the state `resume` continues (`generation.stream`)."""
-  with model_lib.whole_rows(engine.mesh is not None):
+  with backends.use(engine.backend):
     return distribute.constrain(engine, prefill(engine, cpu_layout(engine, weights), tokens,
                                               prompt_len, prompt_width, cache_size, key,
                                               sampling))
@@ -583,6 +602,6 @@ def resume(engine: Engine, weights: Weights, state: DecodeState, sampling: Sampl
   """`decode`'s rounds from `state` until every row is done or `state.target_calls`
   reaches max_rounds (traced: one program for every chunk). The state's key is split
   every round, so rounds run in chunks draw what one call draws."""
-  with model_lib.whole_rows(engine.mesh is not None):
+  with backends.use(engine.backend):
     return run_loop(engine, cpu_layout(engine, weights), state, sampling,
                     jnp.asarray(max_rounds, jnp.int32))

@@ -121,7 +121,7 @@ def test_forward_timer_times_a_narrowed_pass():
   import jax
   import jax.numpy as jnp
   from conftest import tiny_model
-  from specjax.models import cpu_kernels
+  from specjax.backends.cpu import kernels as cpu_kernels
   model = tiny_model(vocab=16, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, llama=True)
   run = costs.forward_timer(model, 1, 4, context=8, iters=1, live=2)
   run()  # a difference of two short loops: its sign is noise

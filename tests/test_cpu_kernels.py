@@ -1,6 +1,8 @@
 """specjax's few-row CPU kernels compute XLA's products, and a forward over their layout
-is the forward."""
+(the CPU backend's) is the forward."""
 
+import contextlib
+import re
 import os
 import subprocess
 import sys
@@ -13,12 +15,25 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 import specjax
+from specjax import backends
 from specjax import decode as decode_lib
-from specjax.models import cpu_kernels
+from specjax.backends.cpu import kernels as cpu_kernels
 from specjax.models import kv_cache
 from specjax.models import layers
 from specjax.models import model as model_lib
 from conftest import tiny_model
+
+
+CPU = backends.CpuBackend()  # the default options
+
+
+@contextlib.contextmanager
+def engine_options(**options):
+  """`generate`'s engines with these `backends.Options` (generate takes none itself)."""
+  real = decode_lib.Engine
+  make = lambda *a, **k: real(*a, backend_options=backends.Options(**options), **k)
+  with mock.patch.object(decode_lib, "Engine", make):
+    yield
 
 
 def _rand(key, shape):
@@ -101,7 +116,7 @@ class KernelTest(parameterized.TestCase):
     k_buf, v_buf = (jnp.where(stale, jnp.nan, jax.random.normal(keys[i], (b, kvh, s, d)))
                     for i in (3, 4))
     want = layers.attend(q, k, v, (k_buf, v_buf, length))
-    got = jax.jit(lambda *a: layers.attend(*a[:3], a[3:], cpu_kernel=True))(
+    got = jax.jit(lambda *a: CPU.attend(layers.attend, *a[:3], a[3:], None, laid_out=True))(
         q, k, v, k_buf, v_buf, length)
     self.assertTrue(bool(jnp.all(jnp.isfinite(got))))
     # Scores of size ~spread carry float32 rounding of ~spread ulps into every weight.
@@ -109,12 +124,12 @@ class KernelTest(parameterized.TestCase):
 
   def test_attention_head_dims_off_the_vector_width_keep_xla(self):
     # The kernel takes head dims in multiples of 8 and says so; attend routes others to
-    # XLA's attention.
+    # XLA's attention (the CPU backend's `attend`).
     q, k, v = jnp.ones((1, 1, 2, 12)), jnp.ones((1, 1, 1, 12)), jnp.ones((1, 1, 1, 12))
     cache = (jnp.ones((1, 1, 4, 12)), jnp.ones((1, 1, 4, 12)), jnp.array([2]))
     with self.assertRaisesRegex(Exception, "shapes do not match"):
       jax.jit(cpu_kernels.cached_attention)(q, k, v, *cache).block_until_ready()
-    np.testing.assert_allclose(layers.attend(q, k, v, cache, cpu_kernel=True),
+    np.testing.assert_allclose(CPU.attend(layers.attend, q, k, v, cache, None, laid_out=True),
                                layers.attend(q, k, v, cache), rtol=1e-6)
 
   # (3, 1): a query row paired at T = 4, alone at 1; d = 48: the shipped draft's heads.
@@ -232,7 +247,7 @@ class KernelTest(parameterized.TestCase):
 
   def test_turned_off_by_the_environment(self):
     # A fresh process: the library is loaded once per process.
-    code = ("from specjax.models import cpu_kernels as c; "
+    code = ("from specjax.backends.cpu import kernels as c; "
             "print(c.available(), c.status())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, "SPECJAX_CPU_KERNELS": "0"}, check=True)
@@ -249,7 +264,7 @@ class LayoutTest(parameterized.TestCase):
 
   def test_every_dense_kernel_is_laid_out(self):
     model = tiny_model(**CONFIGS["llama_gqa"])
-    laid = model_lib.cpu_layout(model.params)
+    laid = CPU.layout(model.params)
     for path, leaf in jax.tree_util.tree_leaves_with_path(laid):
       if path[-1].key == "kernel":
         self.assertEqual(leaf.ndim, 3, path)
@@ -258,22 +273,23 @@ class LayoutTest(parameterized.TestCase):
 
   def test_a_tied_embedding_is_laid_out_as_the_lm_head(self):
     model = tiny_model(**CONFIGS["gpt2"])
-    laid = model_lib.cpu_layout(model.params)
+    laid = CPU.layout(model.params)
     table = model.params["embed"]["embedding"]
     np.testing.assert_array_equal(cpu_kernels.unpack(laid["embed"]["embedding"]), table.T)
     self.assertEqual(laid["pos_embed"]["embedding"].ndim, 2)  # positions: not a head
     tokens = jnp.array([[0, 5, 15, 16 - 1, 7]])
     module = model_lib.merge(model.graphdef, laid)
     np.testing.assert_array_equal(module.embed(tokens), table[tokens])
-    with mock.patch.object(cpu_kernels, "ENABLED", False):
-      chex.assert_trees_all_equal(model_lib.cpu_layout(model.params), model.params)
+    off = backends.CpuBackend(backends.Options(kernels=False))
+    chex.assert_trees_all_equal(off.layout(model.params), model.params)
+    chex.assert_trees_all_equal(off.host_layout(model.params), model.params)
 
   @parameterized.named_parameters(
       [(f"{name}_{'_'.join(map(str, chunks))}", name, chunks)
        for name in CONFIGS for chunks in [(1,) * 12, (4, 1, 5, 2), (12,)]])
   def test_cached_forward_over_the_layout_is_the_forward(self, name, chunks):
     model = tiny_model(**CONFIGS[name])
-    laid = model_lib.cpu_layout(model.params)
+    laid = CPU.layout(model.params)
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 12), 0, 16)
     full = model.logits(tokens)
     # Chunks of 1..12 tokens, batch 2: 2..24 rows, in the kernel's groups of up to 9 rows.
@@ -288,12 +304,15 @@ class LayoutTest(parameterized.TestCase):
     np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, rtol=2e-5, atol=2e-5)
 
   def test_a_fused_pass_row_is_the_1_token_step(self):
-    # The Llama-shaped layers run fused (`Block._fused`): a 4-token cached pass gives
+    # The Llama-shaped layers run fused (`Block.fused`): a 4-token cached pass gives
     # each token the logits and KV of feeding the tokens one at a time, bit for bit.
     model = tiny_model(**CONFIGS["llama_gqa"])
-    laid = model_lib.cpu_layout(model.params)
+    laid = CPU.layout(model.params)
     module = model_lib.merge(model.graphdef, laid)
-    self.assertTrue(module.blocks[0]._fused((jnp.zeros((1, 1, 1, 8)),), None, 4))
+    self.assertTrue(module.blocks[0].fused(CPU, (jnp.zeros((1, 1, 1, 8)),), None, 4))
+    self.assertFalse(module.blocks[0].fused(  # unless the options say so
+        backends.CpuBackend(backends.Options(fused_layers=False)),
+        (jnp.zeros((1, 1, 1, 8)),), None, 4))
     tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 9), 0, 16)
     fn = jax.jit(model_lib.forward_cached, static_argnums=0)
     kv = kv_cache.init_kv(model.config, 2, 16)
@@ -310,7 +329,7 @@ class LayoutTest(parameterized.TestCase):
     # those tokens get the full pass's logits and KV bit for bit, the others nothing
     # (zero logits, their slots keep the old cache's bits).
     model = tiny_model(**CONFIGS["llama_gqa"])
-    laid = model_lib.cpu_layout(model.params)
+    laid = CPU.layout(model.params)
     tokens = jax.random.randint(jax.random.PRNGKey(3), (2, 9), 0, 16)
     fn = jax.jit(model_lib.forward_cached, static_argnums=0)
     kv = kv_cache.init_kv(model.config, 2, 16)
@@ -376,8 +395,8 @@ class LayoutTest(parameterized.TestCase):
     self.assertEqual(kinds(model_lib.host_layout(target.params)), {"bfloat16"})
     self.assertEqual(kinds(model_lib.host_layout(tiny_model(**CONFIGS["llama_gqa"]).params)),
                      {"float32"})  # random float32 weights: float32 panels
-    with mock.patch.object(cpu_kernels, "BF16_PANELS", False):
-      self.assertEqual(kinds(model_lib.host_layout(target.params)), {"float32"})
+    f32 = backends.CpuBackend(backends.Options(bf16_panels=False))
+    self.assertEqual(kinds(model_lib.host_layout(target.params, f32)), {"float32"})
     # Inside a caller's jit: float32 panels for traced weights, whose values are unknown;
     # weights it closes over are checked on the host.
     self.assertEqual(kinds(jax.eval_shape(model_lib.host_layout, target.params)), {"float32"})
@@ -388,7 +407,7 @@ class LayoutTest(parameterized.TestCase):
     fn = jax.jit(model_lib.forward_cached, static_argnums=0)
     outs = [fn(target.graphdef, laid, tokens, kv)[0]
             for laid in (model_lib.host_layout(target.params),
-                         model_lib.cpu_layout(target.params))]
+                         CPU.layout(target.params))]
     np.testing.assert_array_equal(*outs)
     draft = rounded(tiny_model(**CONFIGS["llama_gqa"], seed=4))
     hc = heads_lib.HeadConfig("eagle", target.config)
@@ -399,7 +418,7 @@ class LayoutTest(parameterized.TestCase):
     runs = {}
     for bf16 in (True, False):
       decode_lib._LAYOUTS.clear()
-      with mock.patch.object(cpu_kernels, "BF16_PANELS", bf16):
+      with engine_options(bf16_panels=bf16):
         runs[bf16] = [specjax.generate(target, [[1, 2, 3], [4, 5]], max_new_tokens=8,
                                        gamma=3, **kw).tokens
                       for kw in (dict(drafter="model", draft=draft),
@@ -445,7 +464,7 @@ class LayoutTest(parameterized.TestCase):
     # copies; an equal array that is not the target's own is laid out on its own.
     from types import SimpleNamespace
     from specjax.models import heads as heads_lib
-    engine = SimpleNamespace(mesh=None)
+    engine = SimpleNamespace(mesh=None, backend=backends.select())
     for name, head_key in (("gpt2", "embed"), ("llama_gqa", "lm_head")):  # tied, untied
       target = tiny_model(**CONFIGS[name], seed=3)
       hc = heads_lib.HeadConfig("eagle", target.config)
@@ -466,6 +485,68 @@ class LayoutTest(parameterized.TestCase):
                                                                draft=draft))
         self.assertIs(again.draft, laid.draft)  # kept for the next call
     decode_lib._LAYOUTS.clear()
+
+
+class BackendTest(parameterized.TestCase):
+
+  def test_the_options_are_the_engines_and_part_of_the_programs_key(self):
+    # An engine with the kernels off compiles a program of its own, without them (no
+    # cache to clear: the options are a static field of the jit's key), and the same
+    # greedy tokens.
+    import dataclasses
+    from specjax import generation
+    target = tiny_model(**CONFIGS["llama_gqa"], seed=3)
+    prepared = generation.prepare(target, [[1, 2, 3]], max_new_tokens=4, temperature=0.0,
+                                  top_k=0, top_p=1.0, eos_id=None)
+    off = dataclasses.replace(prepared, engine=dataclasses.replace(
+        prepared.engine, backend_options=backends.Options(kernels=False)))
+    self.assertNotEqual(hash(off.engine), hash(prepared.engine))
+    hlo = {name: decode_lib.decode.lower(
+               p.engine, p.prompt_width, p.cache_size, p.laid_out, p.tokens, p.prompt_len,
+               p.sampling, jax.random.PRNGKey(0)).as_text()
+           for name, p in (("on", prepared), ("off", off))}
+    self.assertIn("specjax_rope_attention", hlo["on"])
+    self.assertEqual(re.findall(r"specjax_\w+", hlo["off"]), [])
+    self.assertEqual(off.laid_out.target["embed"]["embedding"].ndim, 2)  # not laid out
+    key = jax.random.PRNGKey(0)
+    np.testing.assert_array_equal(prepared.run(key).tokens, off.run(key).tokens)
+    decode_lib._LAYOUTS.clear()
+
+  def test_default_options_are_fixed_once_used(self):
+    backends.select()  # used
+    with self.assertRaisesRegex(RuntimeError, "already in use"):
+      backends.set_default_options(backends.Options(kernels=False))
+    backends.set_default_options(backends.default_options())  # the same: no change
+    with self.assertRaises(TypeError):
+      backends.set_default_options({"kernels": False})
+
+  def test_off_a_cpu_the_xla_backend_runs_the_models_own_ops(self):
+    xla = backends.Backend()
+    x = _rand(20, (3, 32))
+    self.assertIs(xla.layout(x), x)
+    np.testing.assert_array_equal(xla.dense(x, None, None, lambda y: 2 * y), 2 * x)
+    np.testing.assert_array_equal(xla.argmax(x), jnp.argmax(x, -1))
+    self.assertFalse(xla.kernels or xla.narrow_pass)
+    self.assertFalse(xla.fuses_attention(None, None, None, None, 1))
+    # On a mesh the CPU backend keeps the rows together and lays nothing out.
+    mesh = backends.CpuBackend(whole_rows=True)
+    self.assertFalse(mesh.kernels or mesh.rows_apart(4))
+    self.assertTrue(backends.CpuBackend().rows_apart(4))
+
+  def test_the_backends_import_nothing_above_them(self):
+    # Imports point down: the backends may import the models' config, nothing else of
+    # specjax outside their own package (no engine, no model).
+    import ast
+    import pathlib
+    root = pathlib.Path(backends.__file__).parent
+    for path in root.rglob("*.py"):
+      for node in ast.walk(ast.parse(path.read_text())):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                 [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+        for name in names:
+          if name.startswith("specjax"):
+            self.assertTrue(name.startswith("specjax.backends")
+                            or name == "specjax.models.config", (path, name))
 
 
 if __name__ == "__main__":

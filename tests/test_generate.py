@@ -694,14 +694,13 @@ def test_n_samples_share_one_prefill(stream_pair, monkeypatch):
 def test_logprobs_on_a_narrowed_pass():
   """A Llama-shaped target narrows its CPU verify pass to the longest draft (the
   logits past it repeat its last position); the logprobs read no padded position."""
-  from specjax import decode as decode_lib
-  from specjax.models import cpu_kernels
+  from specjax import backends
   target = tiny_model(vocab=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                       llama=True, seed=5)
   prompts = [[1, 2, 3, 4, 5], [9, 8, 7, 9, 8, 7, 9, 8], [60, 61, 62]]
   out = specjax.generate(target, prompts, max_new_tokens=12, drafter="ngram", gamma=3,
                          temperature=1.0, seed=1, logprobs=True)
-  if decode_lib.CPU_NARROW_PASS and cpu_kernels.available():
+  if backends.select().narrow_pass:
     assert out.stats["pass_hist"][-1] < out.stats["rounds"]  # some pass narrowed
   for p, new, lp in zip(prompts, out.tokens, out.logprobs):
     np.testing.assert_allclose(lp, _teacher_forced(target, p, new), atol=2e-5)

@@ -1,6 +1,5 @@
 """The cached forward is the full forward, however it is fed and rolled back."""
 
-from unittest import mock
 
 import chex
 import jax
@@ -93,8 +92,7 @@ class CachedForwardTest(parameterized.TestCase):
                     for i in (3, 4))
     outs = []
     for values_left in (True, False):
-      with mock.patch.object(layers, "CPU_VALUES_LEFT", values_left):
-        outs.append(layers.attend(q, k, v, (k_buf, v_buf, length)))
+      outs.append(layers.attend(q, k, v, (k_buf, v_buf, length), values_left=values_left))
     self.assertTrue(bool(jnp.all(jnp.isfinite(outs[0]))))
     chex.assert_trees_all_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
 

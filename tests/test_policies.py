@@ -12,7 +12,7 @@ import pytest
 import specjax
 from specjax import decode as decode_lib
 from specjax import policies
-from specjax.models import cpu_kernels
+from specjax import backends
 from specjax.generation import prepare
 from specjax.processors.sampling import Sampling
 from conftest import (LAW_ROWS, PROMPTS, exact_continuations, greedy_oracle, target_and_draft,
@@ -180,7 +180,7 @@ def test_ledger_prices_a_narrowing_pass_by_its_width():
   fixed_width = specjax.generate(target, PROMPTS[:2], draft_cost=0.1 / 3.0, **kw)
   want = [greedy_oracle(target, p, 10) for p in PROMPTS[:2]]
   assert by_width.tokens == want and fixed_width.tokens == want
-  if decode_lib.CPU_NARROW_PASS and cpu_kernels.available():
+  if backends.select().narrow_pass:
     assert by_width.stats["drafted"] == by_width.stats["rounds"]
     assert fixed_width.stats["drafted"] > fixed_width.stats["rounds"]
   # generate's draft_cost=(c, v) sets both.

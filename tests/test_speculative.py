@@ -8,6 +8,7 @@ import numpy as np
 from absl.testing import parameterized
 
 import specjax
+from specjax import backends
 from specjax import decode as decode_lib
 from specjax import drafters
 from specjax.generation import prepare
@@ -233,10 +234,12 @@ class NgramSizedTest(parameterized.TestCase):
     narrow = [specjax.generate(target, [p], seed=i, **kw) for i, p in enumerate(prompts)]
     self.assertLess(sum(r.stats["drafted"] for r in narrow),
                     3 * sum(r.stats["rounds"] for r in narrow))
-    with mock.patch.object(decode_lib, "CPU_NARROW_PASS", False):
-      decode_lib.decode.clear_cache()
+    # Narrowing off is another engine (`backends.Options.narrow_pass`), so another
+    # compiled program: no cache to clear between the two.
+    real = decode_lib.Engine
+    wide = lambda *a, **k: real(*a, backend_options=backends.Options(narrow_pass=False), **k)
+    with mock.patch.object(decode_lib, "Engine", wide):
       whole = [specjax.generate(target, [p], seed=i, **kw) for i, p in enumerate(prompts)]
-    decode_lib.decode.clear_cache()
     for a, b in zip(narrow, whole):
       self.assertEqual(a.tokens, b.tokens)
       # One row: each pass computed that row's draft, or all γ tokens with narrowing off.

@@ -1,7 +1,8 @@
 """The stateless pieces of attention: RoPE, attention over a KV cache, fused projections.
 
 Pure jnp / numpy functions, no parameters: `specjax.models.model`'s `Attention` and `MLP` call
-them, and profiling code can time them alone.
+them (attention through the backend, `specjax.backends`), and profiling code can time
+them alone.
 """
 
 from __future__ import annotations
@@ -10,12 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.models import cpu_kernels
 from specjax.models.config import ModelConfig
-
-# On a CPU, a 1-token step's attention-weighted sum over the cached values is written with
-# the V cache as the left operand (see `_weighted_cache`). Read when a function is traced.
-CPU_VALUES_LEFT = True
 
 
 def split_fused(x, groups: int, sizes):
@@ -73,7 +69,7 @@ def rope(x: jax.Array, positions: jax.Array, freqs) -> jax.Array:
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def attend(q, k, v, cache=None, mask=None, rows_apart=False, cpu_kernel=False):
+def attend(q, k, v, cache=None, mask=None, rows_apart=False, values_left=False):
   """Attention of T new queries over the cached keys plus the T new keys.
 
   q: [B, T, H, D]; k, v: [B, T, KVH, D] for the same T tokens; cache: optional
@@ -85,13 +81,11 @@ def attend(q, k, v, cache=None, mask=None, rows_apart=False, cpu_kernel=False):
   which cache slots each query sees.
   rows_apart: score and sum the cache for one query row at a time. For a few rows on a
   CPU each row then gets the 1-token step's kernels instead of a general multiply that
-  packs the cache (`specjax.models.model.rowwise` does the same for the projections).
-  cpu_kernel: with a cache and no mask, specjax's CPU kernel (`cpu_kernels.cached_attention`;
-  head dims that are a multiple of 8).
+  packs the cache (`backends.CpuBackend.rowwise` does the same for the projections).
+  values_left: a 1-token step's sum over the cached values with V as the left operand
+  (`_weighted_cache`; the CPU backend's choice). The backend passes both
+  (`Backend.attend`), or runs a kernel of its own instead.
   """
-  if cpu_kernel and cache is not None and mask is None and q.shape[-1] % 8 == 0:
-    out = cpu_kernels.cached_attention(q, k, v, *cache)
-    return out.reshape(q.shape[0], q.shape[1], -1)
   b, t, h, d = q.shape
   kvh = k.shape[2]
   qg = q.reshape(b, t, kvh, h // kvh, d) * (d ** -0.5)
@@ -116,11 +110,12 @@ def attend(q, k, v, cache=None, mask=None, rows_apart=False, cpu_kernel=False):
   if cache is not None:
     w = weights[..., :-t]
     rows = [w[..., i:i + 1, :] for i in range(t)] if rows_apart else [w]
-    out = out + jnp.concatenate([_weighted_cache(r, v_buf) for r in rows], axis=1)
+    out = out + jnp.concatenate([_weighted_cache(r, v_buf, values_left) for r in rows],
+                                axis=1)
   return out.reshape(b, t, h * d)
 
 
-def _weighted_cache(weights, v_buf):
+def _weighted_cache(weights, v_buf, values_left=False):
   """Σ_s weights[b, k, g, t, s] · v_buf[b, k, s, :] -> [B, T, KVH, G, D].
 
   For one new token XLA:CPU emits the plain product as a transposed copy of the masked
@@ -131,7 +126,7 @@ def _weighted_cache(weights, v_buf):
   keeps the plain product.
   """
   b, k, g, t, s = weights.shape
-  if t > 1 or not CPU_VALUES_LEFT or jax.default_backend() != "cpu":
+  if t > 1 or not values_left:
     return jnp.einsum("bkgts,bksd->btkgd", weights, v_buf)
   w = weights.reshape(b, k, g, s).transpose(0, 1, 3, 2)  # [B, KVH, S, G]
   out = jnp.einsum("bksd,bksg->bkdg", v_buf, w)

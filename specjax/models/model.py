@@ -5,21 +5,23 @@ parameters, which travel as a plain nested dict through `jax.jit`-ed functions a
 merged back inside. Attention is written by hand (`specjax.models.layers.attend`, not Flax's
 decode cache) because every row of a batch writes at its own position and a verify pass
 writes several tokens.
+
+The heavy ops (dense products, the embedding lookup, cached attention, and where a
+backend offers it a whole layer) run on the backend being traced (`specjax.backends`,
+chosen once per compiled program): the model's own jnp code on an accelerator, specjax's
+few-row kernels over weights laid out in panels on a CPU (`backends.cpu`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from specjax.models import cpu_kernels
+from specjax import backends
 from specjax.models import kv_cache
 from specjax.models import quantization
 from specjax.models.config import ModelConfig
@@ -46,154 +48,28 @@ MODEL_AXIS = {
 }
 
 
-# On a CPU, passes of 2..this many rows (batch x tokens) multiply by each weight matrix one
-# row at a time (`rowwise`) and attend over the cache one query row at a time
-# (`layers.attend`'s rows_apart).
-CPU_ROWWISE_MAX_ROWS = 9
-
-
-# With weights laid out for specjax's CPU kernels, a cached pass of up to
-# CPU_FUSED_MAX_TOKENS tokens runs each layer as five kernel calls (`Block._fused_call`)
-# and the final norm inside the LM head's product (`head_logits`). Read when traced.
-CPU_FUSED_LAYERS = True
-# Longer passes (long prefills) keep XLA's attention: the kernel's is O(T^2) on two
-# threads, and its per-thread scratch would grow with T^2.
-CPU_FUSED_MAX_TOKENS = 64
-
-
-# True while a decode on a device mesh is traced (`whole_rows`): there the batch is split
-# over devices, and slicing it row by row would move every row between them.
-_WHOLE_ROWS = contextvars.ContextVar("specjax_whole_rows", default=False)
-
-
-@contextlib.contextmanager
-def whole_rows(on: bool = True):
-  """Within this block (at trace time), `rowwise` leaves the rows together."""
-  token = _WHOLE_ROWS.set(on)
-  try:
-    yield
-  finally:
-    _WHOLE_ROWS.reset(token)
-
-
-def _rows_apart(rows: int) -> bool:
-  """Whether a pass of `rows` rows (batch x tokens) goes one row at a time (at trace time)."""
-  return (1 < rows <= CPU_ROWWISE_MAX_ROWS and jax.default_backend() == "cpu"
-          and not _WHOLE_ROWS.get())
-
-
-def rowwise(fn, x: jax.Array) -> jax.Array:
-  """fn(x) for a row-wise fn over x [..., d]; on a CPU a few rows go one at a time.
-
-  XLA:CPU multiplies one row by a weight matrix with a streaming matrix-vector kernel
-  and two or more rows with a general matrix multiply (YNNPACK) that packs the weights
-  on every call. A forward visits every weight once, so they arrive cold: one
-  matrix-vector pass brings them into cache and the next rows find them there. On the
-  shipped target this makes a 2..9-token verify pass 0.6-0.8x as long (the 1-token step
-  is unchanged); docs/ARCHITECTURE.md, "Why the verify pass costs what it does on a CPU".
-  Each row gets the same dot as a 1-token step. Set CPU_ROWWISE_MAX_ROWS = 0 to turn it
-  off, and attention's row by row with it (it is read when a function is traced).
-  """
-  rows = int(np.prod(x.shape[:-1]))
-  if not _rows_apart(rows):
-    return fn(x)
-  flat = x.reshape(rows, 1, x.shape[-1])
-  out = jnp.concatenate([fn(flat[i]) for i in range(rows)])
-  return out.reshape(x.shape[:-1] + out.shape[-1:])
-
-
 class Dense(nnx.Linear):
-  """nnx.Linear, computed `rowwise`; over CPU panels (`cpu_layout`), by specjax's kernels."""
+  """nnx.Linear, its product run by the current backend (`backends.current`)."""
 
   def __call__(self, x):
-    kernel = self.kernel[...]
-    if kernel.ndim == 3:  # panels [N / 16, K, 16]
-      y = _panel_product(x, kernel)
-      return y if self.bias is None else y + self.bias[...]
-    return rowwise(super().__call__, x)
+    bias = None if self.bias is None else self.bias[...]
+    return backends.current().dense(x, self.kernel[...], bias, super().__call__)
 
 
 class Embed(nnx.Embed):
-  """nnx.Embed; over CPU panels of its transpose (`cpu_layout`), looked up from them and
-  used as the tied LM head by specjax's kernels, like a Dense over panels."""
+  """nnx.Embed, looked up and used as the tied LM head by the current backend."""
 
   def __call__(self, tokens):
-    table = self.embedding[...]
-    if table.ndim == 3:  # panels [V / 16, d, 16]: token t is column t % 16 of panel t // 16
-      return cpu_kernels.panel_lookup(table, tokens)
-    return super().__call__(tokens)
+    return backends.current().lookup(self.embedding[...], tokens, super().__call__)
 
   def attend(self, x):
-    table = self.embedding[...]
-    if table.ndim == 3:
-      return _panel_product(x, table)
-    return rowwise(super().attend, x)
+    return backends.current().dense(x, self.embedding[...], None, super().attend)
 
 
-def _panel_product(x, panels):
-  """x [..., K] times the [K, N] weight laid out as `panels` -> float32 [..., N].
-
-  specjax's kernel for any number of rows: a prefill too (64 rows of a 256 x 1408
-  product: 0.59x the time of XLA's multiply over the panels, 0.82x of its multiply over
-  the weights as they lie).
-  """
-  rows = int(np.prod(x.shape[:-1]))
-  y = cpu_kernels.panel_matmul(x.reshape(rows, x.shape[-1]).astype(jnp.float32), panels)
-  return y.reshape(x.shape[:-1] + y.shape[-1:])
-
-
-def cpu_layout(params: Params, bf16: bool = False) -> Params:
-  """On a CPU with specjax's kernels (`cpu_kernels.available`), every float32 Dense
-  kernel as panels [N / 16, K, 16]; params unchanged otherwise. bf16: bfloat16 panels
-  (`cpu_kernels.pack_bf16`), exact only where every packed weight is a bfloat16 value
-  (`host_layout` checks).
-
-  A forward over the result multiplies its rows with specjax's kernel (each weight read
-  once for every group of up to 9 rows, the columns split over two threads),
-  the tied LM head included (the embedding as panels of its transpose, see `Embed`). Call it inside the compiled program,
-  once, outside any loop (`decode.decode`, `costs.forward_timer`): the panels are a
-  copy of the weights, laid out per call.
-  """
-  if _WHOLE_ROWS.get() or not cpu_kernels.available():
-    return params
-
-  pack = cpu_kernels.pack_bf16 if bf16 else cpu_kernels.pack
-
-  def lay(path, leaf):
-    kind = _packed_as(params, path, leaf)
-    return leaf if kind is None else pack(leaf if kind == "kernel" else leaf.T)
-
-  return jax.tree_util.tree_map_with_path(lay, params)
-
-
-def _packed_as(params, path, leaf):
-  """How `cpu_layout` packs a leaf: "kernel" (a Dense kernel), "tied" (a tied
-  embedding, as the LM head's [d, V] that `Embed` reads), or None (left as it is)."""
-  names = tuple(getattr(p, "key", None) for p in path[-2:])
-  if names[-1] == "kernel" and cpu_kernels.packable(leaf):
-    return "kernel"
-  tied = "lm_head" not in (params or {})
-  if tied and names == ("embed", "embedding") and cpu_kernels.packable(leaf.T):
-    return "tied"
-  return None
-
-
-def host_layout(params: Params) -> Params:
-  """`cpu_layout` of params before a compiled call: in bfloat16 panels where every
-  weight it packs is a bfloat16 value (the shipped checkpoints), so each product reads
-  half the bytes for the same float32 result (`cpu_kernels.BF16_PANELS`); float32
-  panels for traced params, whose values are unknown."""
-  if _WHOLE_ROWS.get() or not cpu_kernels.available():
-    return params
-  packed = [leaf for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
-            if _packed_as(params, path, leaf)]
-  bf16 = cpu_kernels.BF16_PANELS and bool(packed) and cpu_kernels.bf16_exact(packed)
-  return _compiled_layout(params, bf16)
-
-
-@functools.partial(jax.jit, static_argnames="bf16")
-def _compiled_layout(params, bf16):
-  return cpu_layout(params, bf16)
+def host_layout(params: Params, backend: backends.Backend | None = None) -> Params:
+  """params laid out for `backend` (default: `backends.current`) before a compiled call
+  (`backends.Backend.host_layout`): on a CPU with specjax's kernels, in panels."""
+  return (backend or backends.current()).host_layout(params)
 
 
 def _dense(rngs, d_in, d_out, bias, std):
@@ -229,13 +105,11 @@ class Attention(nnx.Module):
     b, t, _ = x.shape
     h, kvh, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     g = cfg.qkv_groups
-    if self._fused(cache, mask, t):
-      # specjax's CPU kernel takes the projection as it comes and does RoPE, attention
-      # and the KV write in one call, the caches updated in place.
-      k_buf, v_buf, length = cache
+    backend = backends.current()
+    if backend.fuses_attention(cfg, self.qkv.kernel[...], cache, mask, t):
+      # One call for RoPE, attention and the KV write, the caches updated in place.
       cos, sin = rope_angles(positions, rope_frequencies(cfg))
-      out, k_buf, v_buf = cpu_kernels.rope_attention(self.qkv(x), cos, sin, k_buf, v_buf,
-                                                     length, h)
+      out, k_buf, v_buf = backend.rope_attention(self.qkv(x), cos, sin, cache, h)
       return self.out(out), (k_buf, v_buf)
     q, k, v = split_fused(self.qkv(x), g, (h // g * d, kvh // g * d, kvh // g * d))
     q, k, v = q.reshape(b, t, h, d), k.reshape(b, t, kvh, d), v.reshape(b, t, kvh, d)
@@ -246,9 +120,8 @@ class Attention(nnx.Module):
       q, k = rope(q, positions, freqs), rope(k, positions, freqs)
     if cache is None:
       return self.out(attend(q, k, v, mask=mask)), None
-    out = attend(q, k, v, cache if read_cache else None, mask,
-                 rows_apart=t > 1 and _rows_apart(b * t),
-                 cpu_kernel=self.qkv.kernel[...].ndim == 3)  # laid out by `cpu_layout`
+    out = backend.attend(attend, q, k, v, cache if read_cache else None, mask,
+                         laid_out=backend.laid_out(self.qkv.kernel[...]))
     k_buf, v_buf, length = cache
     # The write depends on the attention output, so XLA must read the old buffers first
     # and may then update them in place; otherwise it copies both caches every step.
@@ -256,18 +129,6 @@ class Attention(nnx.Module):
     k_buf = kv_cache.write(k_buf, k + zero, length)
     v_buf = kv_cache.write(v_buf, v + zero, length)
     return self.out(out), (k_buf, v_buf)
-
-  def _fused(self, cache, mask, tokens: int) -> bool:
-    """Whether `cpu_kernels.rope_attention` runs this layer's cached attention: weights
-    laid out by `cpu_layout`, float32 caches, RoPE, one qkv group, no q/k norm, no tree
-    mask, head dims in multiples of 8, at most CPU_FUSED_MAX_TOKENS new tokens. A short
-    prefill too: it reads the cache's first `length` slots, 0 there (`empty` promises
-    it), so ignoring read_cache=False reads nothing."""
-    cfg = self.cfg
-    return (CPU_FUSED_LAYERS and cache is not None and mask is None
-            and tokens <= CPU_FUSED_MAX_TOKENS and self.qkv.kernel[...].ndim == 3
-            and cache[0].dtype == jnp.float32 and cfg.position == "rope"
-            and cfg.qkv_groups == 1 and not cfg.qk_norm and cfg.head_dim % 8 == 0)
 
 
 class MLP(nnx.Module):
@@ -299,42 +160,25 @@ class Block(nnx.Module):
     self.mlp = MLP(cfg, rngs)
 
   def __call__(self, x, positions, cache=None, read_cache=True, mask=None, live=None):
-    if self._fused(cache, mask, x.shape[1]):
-      return self._fused_call(x, positions, cache, live)
+    """live: with a backend that runs the whole layer (`fused`), only each row's first
+    `live` tokens are computed and their KV written; elsewhere every token is."""
+    backend = backends.current()
+    if self.fused(backend, cache, mask, x.shape[1]):
+      cos, sin = rope_angles(positions, rope_frequencies(self.attn.cfg))
+      return backend.block(self.attn.cfg, self.weights(), x, cos, sin, cache, live)
     attn_out, cache = self.attn(self.attn_norm(x), positions, cache, read_cache, mask)
     x = x + attn_out
     return x + self.mlp(self.mlp_norm(x)), cache
 
-  def _fused(self, cache, mask, tokens: int) -> bool:
-    """Whether the whole block runs as five calls of specjax's CPU kernels: where its
-    attention does (`Attention._fused`), with RMSNorm, SwiGLU in one group and no biases."""
-    cfg = self.attn.cfg
-    return (self.attn._fused(cache, mask, tokens) and cfg.norm == "rmsnorm" and cfg.mlp == "swiglu"
-            and cfg.mlp_groups == 1 and not (cfg.qkv_bias or cfg.out_bias or cfg.mlp_bias)
-            and all(m.kernel[...].ndim == 3 for m in (self.attn.out, self.mlp.up, self.mlp.down)))
+  def weights(self) -> backends.LayerWeights:
+    return backends.LayerWeights(
+        attn_norm=self.attn_norm.scale[...], qkv=self.attn.qkv.kernel[...],
+        out=self.attn.out.kernel[...], mlp_norm=self.mlp_norm.scale[...],
+        up=self.mlp.up.kernel[...], down=self.mlp.down.kernel[...])
 
-  def _fused_call(self, x, positions, cache, live=None):
-    # Each norm, the SwiGLU product and each residual add is done by the product next to
-    # it, on its rows: a few-token pass of a small model otherwise spends as long in
-    # those small XLA ops as in its matrix products. live: each row's first `live`
-    # tokens are computed (and their KV written), the rest are zeros.
-    cfg, attn, mlp = self.attn.cfg, self.attn, self.mlp
-    b, t, d = x.shape
-    rows = dict(live=live, period=t)
-    flat = x.reshape(b * t, d)
-    qkv = cpu_kernels.panel_matmul(flat, attn.qkv.kernel[...], self.attn_norm.scale[...],
-                                   cfg.norm_eps, **rows)
-    k_buf, v_buf, length = cache
-    cos, sin = rope_angles(positions, rope_frequencies(cfg))
-    out, k_buf, v_buf = cpu_kernels.rope_attention(qkv.reshape(b, t, -1), cos, sin, k_buf,
-                                                   v_buf, length, cfg.n_heads, live)
-    flat = cpu_kernels.panel_matmul(out.reshape(b * t, -1), attn.out.kernel[...], add=flat,
-                                    **rows)
-    hidden = cpu_kernels.panel_matmul(flat, mlp.up.kernel[...], self.mlp_norm.scale[...],
-                                      cfg.norm_eps, **rows)
-    flat = cpu_kernels.panel_matmul(hidden, mlp.down.kernel[...], gated=True, add=flat,
-                                    **rows)
-    return flat.reshape(b, t, d), (k_buf, v_buf)
+  def fused(self, backend: backends.Backend, cache, mask, tokens: int) -> bool:
+    """Whether `backend` runs this whole layer in its own calls (`Backend.block`)."""
+    return backend.fuses_block(self.attn.cfg, self.weights(), cache, mask, tokens)
 
 
 class Transformer(nnx.Module):
@@ -361,7 +205,7 @@ class Transformer(nnx.Module):
     hidden=True adds a third output: the residual stream after the last block, before
     the final norm, [B, T, d_model] (the features that EAGLE / Medusa heads read).
     live (a traced int): only each row's first `live` tokens need be computed; where the
-    layers run fused (`Block._fused`) the rest are not, and their outputs are zeros.
+    layers run fused (`Block.fused`) the rest are not, and their outputs are zeros.
     """
     x = self.embed(tokens)
     if self.cfg.position == "learned":
@@ -370,8 +214,8 @@ class Transformer(nnx.Module):
     ks, vs = [], []
     # The head follows the blocks: a pass whose layers run XLA's norms (a tree's) gets
     # XLA's final norm too.
-    fused = kv is not None and self.blocks[0]._fused((kv.k[0], kv.v[0], kv.length), mask,
-                                                     tokens.shape[1])
+    fused = kv is not None and self.blocks[0].fused(
+        backends.current(), (kv.k[0], kv.v[0], kv.length), mask, tokens.shape[1])
     for i, block in enumerate(self.blocks):
       cache = None if kv is None else (kv.k[i], kv.v[i], kv.length)
       x, new_cache = block(x, positions, cache, read_cache, mask, live)
@@ -389,16 +233,14 @@ def head_logits(x, embed: Embed, final_norm, lm_head: Dense | None, fused: bool,
                 live=None):
   """The final norm and the LM head (tied to `embed` when lm_head is None): features
   [..., d] -> float32 logits [..., V]. fused (a pass whose layers ran fused, see
-  `Block._fused`): over a head laid out by `cpu_layout`, an RMSNorm is done by the
-  head's product, on the first `live` positions of x [B, T, d] (None: all)."""
-  head = embed.embedding if lm_head is None else lm_head.kernel
-  if (fused and CPU_FUSED_LAYERS and head[...].ndim == 3
-      and isinstance(final_norm, nnx.RMSNorm) and (lm_head is None or lm_head.bias is None)):
-    flat = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-    rows = {} if live is None else dict(live=live, period=x.shape[-2])
-    logits = cpu_kernels.panel_matmul(flat, head[...], final_norm.scale[...],
-                                      final_norm.epsilon, **rows)
-    return logits.reshape(x.shape[:-1] + logits.shape[-1:])
+  `Block.fused`): where the backend has laid the head out, an RMSNorm is done by the
+  head's product (`Backend.head`), on the first `live` positions of x [B, T, d]."""
+  backend = backends.current()
+  head = (embed.embedding if lm_head is None else lm_head.kernel)[...]
+  if (fused and backend.options.fused_layers and backend.laid_out(head)
+      and isinstance(final_norm, nnx.RMSNorm)
+      and (lm_head is None or lm_head.bias is None)):
+    return backend.head(x, head, final_norm.scale[...], final_norm.epsilon, live)
   x = final_norm(x)
   return (embed.attend(x) if lm_head is None else lm_head(x)).astype(jnp.float32)
 
@@ -449,7 +291,7 @@ def forward_cached(graphdef, params: Params, tokens: jax.Array, kv: kv_cache.KVS
   Token trees pass their own `positions` int[B, T] (length - 1 + depth) and `mask`
   (see `attend`); the T tokens are still written at slots length..length+T-1.
   live (a traced int in [1, T]): the caller reads only each row's first `live` outputs
-  and keeps only their KV; the CPU kernels then skip the rest (`Transformer.__call__`),
+  and keeps only their KV; a backend that fuses the layers skips the rest (`Transformer.__call__`),
   elsewhere every token is computed.
   """
   module = merge(graphdef, params)
@@ -462,16 +304,31 @@ def forward_cached(graphdef, params: Params, tokens: jax.Array, kv: kv_cache.KVS
   return (logits, kv, features[0]) if hidden else (logits, kv)
 
 
-def runs_fused(graphdef, params: Params, kv: kv_cache.KVState, tokens: int) -> bool:
-  """Whether a cached pass of `tokens` tokens runs its layers as the fused kernel calls
-  (`Block._fused`), and so computes only the `live` tokens it is given."""
+def runs_fused(graphdef, params: Params, kv: kv_cache.KVState, tokens: int,
+               backend: backends.Backend | None = None) -> bool:
+  """Whether a cached pass of `tokens` tokens runs its layers in the backend's own calls
+  (`Block.fused`; default: `backends.current`), and so computes only the `live` tokens
+  it is given."""
   block = merge(graphdef, params).blocks[0]
-  return bool(block._fused((kv.k[0], kv.v[0], kv.length), None, tokens))
+  return bool(block.fused(backend or backends.current(), (kv.k[0], kv.v[0], kv.length),
+                          None, tokens))
 
 
-forward_jit = jax.jit(forward, static_argnums=0, static_argnames="hidden")
-forward_cached_jit = jax.jit(forward_cached, static_argnums=0,
-                             static_argnames=("empty", "hidden"))
+def _forward_on(graphdef, params, tokens, hidden=False, backend=None):
+  with backends.use(backend or backends.select()):
+    return forward(graphdef, params, tokens, hidden)
+
+
+def _forward_cached_on(graphdef, params, tokens, kv, empty=False, hidden=False,
+                       backend=None):
+  with backends.use(backend or backends.select()):
+    return forward_cached(graphdef, params, tokens, kv, empty, hidden)
+
+
+# The jitted forwards run on `backend` (static; None: `backends.select()`'s defaults).
+forward_jit = jax.jit(_forward_on, static_argnums=0, static_argnames=("hidden", "backend"))
+forward_cached_jit = jax.jit(_forward_cached_on, static_argnums=0,
+                             static_argnames=("empty", "hidden", "backend"))
 
 
 def count_params(params: Params) -> int:

@@ -18,8 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.models import cpu_kernels
-from specjax.models import model as model_lib
+from specjax import backends
 from specjax.processors import history as processors
 
 
@@ -145,29 +144,11 @@ def _param(x, lead_shape, dtype):
   return jnp.broadcast_to(x.reshape(x.shape + (1,) * (len(lead_shape) - x.ndim)), lead_shape)
 
 
-def kernels_in_use() -> bool:
-  """Whether specjax's CPU kernels run here (traced): a CPU with them built, not a mesh."""
-  return cpu_kernels.available() and not model_lib._WHOLE_ROWS.get()
-
-
 def argmax(logits: jax.Array) -> jax.Array:
-  """jnp.argmax(logits, axis=-1) (the first maximum; the first NaN if there is one).
-
-  On a CPU with specjax's kernels, one call (`cpu_kernels.top`): XLA:CPU splits each
-  reduction over a vocabulary into three thunks. Without them, a max and a min, two
-  reductions XLA:CPU vectorises: its argmax is one reduction over (value, index) pairs
-  that it runs a scalar at a time (2,048 logits: 9.4 us against 2.6; 5 x 2,048, a
-  verify pass: 31 against 6), once per draft step and per verify pass. Elsewhere
-  jnp.argmax.
-  """
-  if jax.default_backend() != "cpu":
-    return jnp.argmax(logits, axis=-1)
-  if kernels_in_use():
-    return cpu_kernels.top(logits)[0]
-  top = jnp.max(logits, axis=-1, keepdims=True)
-  index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-  at_top = (logits == top) | jnp.isnan(logits)
-  return jnp.min(jnp.where(at_top, index, logits.shape[-1] - 1), axis=-1)
+  """jnp.argmax(logits, axis=-1) (the first maximum; the first NaN if there is one), as
+  the backend being traced computes it (`backends.current().argmax`: on a CPU one kernel
+  call, or two reductions XLA:CPU vectorises)."""
+  return backends.current().argmax(logits)
 
 
 def process_logits(logits: jax.Array, temperature, top_k, top_p,

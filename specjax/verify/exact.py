@@ -19,8 +19,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specjax.models import cpu_kernels
-from specjax.processors.sampling import argmax, kernels_in_use, sample
+from specjax import backends
+from specjax.processors.sampling import argmax, sample
 
 
 def acceptance_prob(p: jax.Array, q: jax.Array, y: jax.Array) -> jax.Array:
@@ -103,9 +103,7 @@ def verify_point_masses(keys, draft_tokens, q, p):
 
 def point_masses(ps: jax.Array) -> jax.Array:
   """Whether every distribution in ps [..., V] has one token of nonzero probability."""
-  if kernels_in_use():
-    return jnp.all(cpu_kernels.top(ps)[1] == 1)  # one call, not three thunks
-  return jnp.all(jnp.sum(ps > 0, axis=-1) == 1)
+  return backends.current().point_masses(ps)  # on a CPU one kernel call, not three thunks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +119,8 @@ class ExactRule:
   def __call__(self, keys, ys, qs, ps, greedy=None):
     # Every p a point mass (temperature 0 on every row): the same tokens from argmaxes
     # and gathers, without V random numbers per row or passes over the vocabulary.
-    if greedy is None:  # decided when run
-      return jax.lax.cond(point_masses(ps), verify_point_masses, verify_batch,
-                          keys, ys, qs, ps)
+    if greedy is None:  # decided when run. Fresh closures: lax.cond keeps the trace of a
+      # function it has seen (by identity), which would be another backend's.
+      return jax.lax.cond(point_masses(ps), lambda *a: verify_point_masses(*a),
+                          lambda *a: verify_batch(*a), keys, ys, qs, ps)
     return (verify_point_masses if greedy else verify_batch)(keys, ys, qs, ps)

@@ -78,7 +78,7 @@ class TreeLayout:
 
   def verify(self, engine, row_keys, ys, qs, ps, lengths, key, greedy=None):
     n_accepted, next_token, overlap, path, by_rank = tree_verify.walk_batch(
-        row_keys, ys, qs, ps, self.tree, self.deterministic)
+        row_keys, ys, qs, ps, self.tree, self.deterministic, engine.unroll_walk)
     return n_accepted, next_token, overlap, path, by_rank, jnp.take_along_axis(
         ys, jnp.maximum(path, 0), axis=1)  # the accepted path's tokens
 

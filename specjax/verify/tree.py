@@ -28,11 +28,6 @@ from specjax.trees import Tree
 from specjax.verify.exact import residual
 
 
-# The walk's loops unrolled (True), rolled (False), or by backend (None): unrolled but on a
-# CPU. Read when a program is traced (`experiments.compile_time` compares the two).
-UNROLL_WALK: bool | None = None
-
-
 def walk(key, node_tokens, node_q, ps, tree: Tree, deterministic: bool, unroll=None):
   """One row: (n_accepted, next_token, overlap[depth], path int32[depth] (-1 past a),
   by_rank).
@@ -47,12 +42,12 @@ def walk(key, node_tokens, node_q, ps, tree: Tree, deterministic: bool, unroll=N
   node_q [N, V]: its parent's draft distribution q; sampled siblings were drawn from it
   without replacement in sibling order (`sample_distinct`); the walk takes each tried
   sibling out of q before judging the next.
-  unroll: the loops unrolled (None: `UNROLL_WALK`); the same numbers either way.
+  unroll: the loops unrolled (None: but on a CPU; `decode.Engine.unroll_walk`); the same
+  numbers either way.
   """
   # On a CPU, rolled loops: unrolled, the program grew with depth x width (the shipped
   # pair's (4, 2, 2, 1) program took 1.5x as long to trace and compile) and ran no
   # faster. Unrolled elsewhere, as it was: a loop's iterations there are not measured.
-  unroll = UNROLL_WALK if unroll is None else unroll
   unroll = jax.default_backend() != "cpu" if unroll is None else bool(unroll)
   children = jnp.asarray(tree.children)
   depth, width = tree.depth, tree.children.shape[1]
@@ -110,7 +105,10 @@ def walk(key, node_tokens, node_q, ps, tree: Tree, deterministic: bool, unroll=N
   return n_accepted, next_token, overlap, path, (tried, taken, chance)
 
 
-walk_batch = jax.vmap(walk, in_axes=(0, 0, 0, 0, None, None))
+def walk_batch(keys, node_tokens, node_q, ps, tree: Tree, deterministic: bool, unroll=None):
+  """`walk` of each row (vmapped over the first four); tree, deterministic, unroll shared."""
+  return jax.vmap(lambda *rows: walk(*rows, tree, deterministic, unroll))(
+      keys, node_tokens, node_q, ps)
 
 
 def verify_layout(tree: Tree, n):

@@ -11,13 +11,15 @@ XLA pool thread. `cached_attention` does the same for attention over the KV cach
 reads each valid cached key and value once for all new queries, and no stale slot.
 `rope_attention` is a layer's RoPE, attention and KV write in one call, and
 `panel_matmul` also does the RMSNorm or SwiGLU before a product and the residual add
-after it, so a Llama-shaped layer is five calls (`model.Block._fused_call`).
+after it, so a Llama-shaped layer is five calls (`backend.CpuBackend.block`).
 
 The library is compiled on first use (a few seconds) into a cache directory
 ($SPECJAX_CACHE_DIR, else ~/.cache/specjax) under a name that hashes the source, the
 jaxlib version and the CPU, and loaded from there afterwards. Without a compiler, or
-with SPECJAX_CPU_KERNELS=0, `available()` is False and the models keep XLA's own
-products; results differ only in the order of float additions.
+with SPECJAX_CPU_KERNELS=0, `available()` is False and the CPU backend keeps XLA's own
+products (as does `backends.Options(kernels=False)`); results differ only in the order
+of float additions. This module is the kernels' glue only: when they are used, and how
+a model's weights are laid out for them, is `specjax.backends.cpu.backend`'s.
 """
 
 import ctypes
@@ -37,8 +39,6 @@ import jaxlib
 import numpy as np
 
 PANEL = 16  # columns per panel (fewrow.cc kPanel)
-# Read when a forward is traced (`model.cpu_layout`): False keeps XLA's products.
-ENABLED = True
 SOURCE = pathlib.Path(__file__).with_name("fewrow.cc")
 _TARGETS = {"specjax_panel_matmul": "SpecjaxPanelMatmul",
             "specjax_panel_matmul_bf16": "SpecjaxPanelMatmulBf16",
@@ -126,8 +126,8 @@ def _load():
 
 
 def available() -> bool:
-  """Whether the kernels are used: ENABLED, a CPU backend and a built library (built here)."""
-  return ENABLED and jax.default_backend() == "cpu" and _load()[0]
+  """Whether the kernels can run here: a CPU backend and a built library (built here)."""
+  return jax.default_backend() == "cpu" and _load()[0]
 
 
 def status() -> str:
@@ -145,11 +145,6 @@ def pack(w: jax.Array) -> jax.Array:
   """[K, N] -> panels [N / 16, K, 16]: panel p holds columns 16p..16p+15, row by row."""
   k, n = w.shape
   return w.reshape(k, n // PANEL, PANEL).transpose(1, 0, 2)
-
-
-# Read by `model.cpu_layout`'s callers: weights that are all bfloat16 values go into
-# bfloat16 panels (`pack_bf16`). False keeps float32 panels (for measurement).
-BF16_PANELS = True
 
 
 def pack_bf16(w: jax.Array) -> jax.Array:

@@ -1,16 +1,16 @@
 // Few-row matrix products for XLA:CPU, y[R, N] = x[R, K] · W, registered as FFI targets
-// by specjax/models/cpu_kernels.py and used for the 1..9 rows of a decode step or a
+// by specjax/backends/cpu/kernels.py and used for the 1..9 rows of a decode step or a
 // verify pass. XLA:CPU multiplies 2..9 rows with a general multiply that repacks the
 // weights on every call; these read each weight element once and use it for every row
 // while it sits in a register, so a few more rows cost their arithmetic and little
 // else (docs/ARCHITECTURE.md, "Why the verify pass costs what it does on a CPU").
 //
-//   SpecjaxPanelMatmul: W in panels, wp[N / 16, K, 16] (`cpu_kernels.pack`): a panel's
+//   SpecjaxPanelMatmul: W in panels, wp[N / 16, K, 16] (`kernels.pack`): a panel's
 //     16 columns are contiguous for every k, so it is read as one sequential stream (W
 //     [K, N] as it lies would be read 64 bytes per row, N floats apart: no prefetcher
 //     follows that, and a forward runs 2-4x slower). It also does the RMSNorm or
 //     SwiGLU before a product and the residual add after it. SpecjaxPanelMatmulBf16:
-//     the same over bfloat16 panels (`cpu_kernels.pack_bf16`), half the bytes to stream
+//     the same over bfloat16 panels (`kernels.pack_bf16`), half the bytes to stream
 //     for the same float32 products where every weight is a bfloat16 value.
 //   SpecjaxCachedAttention: attention of a few new queries over the valid cache slots.
 //   SpecjaxRopeAttention: a layer's RoPE, attention and KV write in one call.
@@ -52,7 +52,7 @@ inline void Store(float* p, v8 v) { std::memcpy(p, &v, sizeof(v)); }
 typedef uint32_t v8u __attribute__((vector_size(32)));
 
 // A panel row's 16 weights as two vectors (columns 0-7, 8-15). bfloat16 panels
-// (`cpu_kernels.pack_bf16`) hold column i in the low half of 32-bit lane i and column
+// (`kernels.pack_bf16`) hold column i in the low half of 32-bit lane i and column
 // i + 8 in the high half: one load, and a shift or a mask makes each float32 exactly.
 inline void LoadPanel(const float* p, v8& lo, v8& hi) {
   lo = Load(p);
