@@ -21,6 +21,119 @@ from experiments import run as run_lib
 ROOT = Path(__file__).parent.parent
 
 
+def fake_row(drafter="ngram", gamma=2, temperature=0.0, speedup=1.2, ledger=1.2, call=1.2,
+             **changes):
+  row = dict(
+      drafter=drafter, gamma=gamma, temperature=temperature, top_p=1.0, batch_size=1,
+      repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
+      no_repeat_ngram_size=0, gamma_policy="fixed", verify_rule="exact", tree=None,
+      alpha_hat=0.95, acceptance_rate=0.9, tokens_per_target_call=2.0, expected_tokens=2.1,
+      drafting=1.0, c=0.001, v=1.0, tokens_per_s=1000 * speedup,
+      target_only_tokens_per_s=1000.0, speedup=speedup, speedup_min=speedup * 0.97,
+      speedup_max=speedup * 1.03, predicted_speedup=ledger, round_ratio=1.1,
+      predicted_call_speedup=call, ceiling_call_speedup=None if call is None else call * 1.3,
+      acceptance_by_position=[0.9] * gamma)
+  row.update(changes)
+  return row
+
+
+def issue_rows():
+  """The issue's sweep: the ledger predicts 2-4x where 1.0-1.4x was measured (it leaves
+  out the call's prefill and fixed work), the whole call's prediction is within 3%."""
+  rows = []
+  for drafter, base in (("ngram", 1.1), ("model", 0.9)):
+    for gamma in (1, 2, 4):
+      for t in (0.0, 1.0):
+        measured = base + 0.08 * gamma - 0.2 * t
+        rows.append(fake_row(drafter, gamma, t, speedup=measured, ledger=2.0 + 0.5 * gamma,
+                             call=measured * (1.03 if gamma % 2 else 0.98)))
+  return rows
+
+
+def recommendation(summary: str) -> str:
+  return summary.split("## Recommendation", 1)[1].split("\n\n")[1]
+
+
+def test_a_poor_ledger_fit_recommends_nothing_from_the_ledger():
+  rows = issue_rows()
+  summary = plots.summary_table(rows)
+  # At α̂ 0.95 and c 0.001 the ledger's optimum lies far past the measured γ (the issue's
+  # γ = 15); it is neither printed nor recommended.
+  assert "Ledger optimum" not in summary and "The ledger, which fits" not in summary
+  assert "0 of 12 points by the ledger's E/(γc+v) (decoding rounds only), it does not fit" \
+      in summary
+  assert "12 of 12 by the whole call's" in summary and "it fits." in summary
+  assert "Nothing here is recommended from the ledger's prediction" in summary
+  best = max(rows, key=lambda r: r["speedup"])
+  said = recommendation(summary)
+  assert said.startswith(f"The {best['drafter']} drafter at γ={best['gamma']}, "
+                         f"T={best['temperature']:g}, batch 1: the best measured point")
+  measured = {(r["drafter"], r["gamma"]) for r in rows}
+  for drafter, gamma in re.findall(r"the (\w+) drafter at γ=(\d+)", said, flags=re.I):
+    assert (drafter.lower(), int(gamma)) in measured, said
+  assert "ranks it first as well" in said  # the fitting prediction agrees
+  assert "largest γ measured" in said  # γ = 4 is the grid's edge: say so
+
+
+def test_a_fitting_prediction_that_ranks_another_point_first_says_so():
+  rows = [fake_row("ngram", 1, speedup=1.30, call=1.25),
+          fake_row("ngram", 2, speedup=1.26, call=1.35),
+          fake_row("ngram", 4, speedup=1.10, call=1.12)]
+  said = recommendation(plots.summary_table(rows))
+  assert said.startswith("The ngram drafter at γ=1, T=0, batch 1: the best measured point")
+  assert "ranks the ngram drafter at γ=2, T=0, batch 1 first (1.35x predicted" in said
+  assert "closer than the prediction's fit" in said
+
+
+def test_a_poor_whole_call_fit_recommends_only_what_was_measured():
+  rows = [fake_row("ngram", g, speedup=s, ledger=s, call=2 * s)
+          for g, s in ((1, 1.2), (2, 1.3), (4, 1.1))]
+  summary = plots.summary_table(rows)
+  assert "0 of 3 by the whole call's (round ρ, prefill and host work measured), it does " \
+         "not fit" in summary
+  assert "Nothing here is recommended from the whole call's prediction" in summary
+  said = recommendation(summary)
+  assert said.startswith("The ngram drafter at γ=2") and "ranks" not in said
+  # The ledger fits these rows: its optimum stays within the γ range measured.
+  line = next(l for l in summary.splitlines() if l.startswith("The ledger, which fits"))
+  assert int(re.search(r"at γ=(\d+), predicted", line).group(1)) <= 4
+
+
+def test_nothing_faster_recommends_target_only():
+  rows = [fake_row("model", g, speedup=0.9, ledger=0.9, call=0.9) for g in (1, 2)]
+  assert recommendation(plots.summary_table(rows)).startswith("Target-only decoding")
+
+
+def test_without_call_costs_the_summary_says_what_is_missing():
+  rows = [fake_row("ngram", g, speedup=1.2, ledger=3.0, call=None) for g in (1, 2)]
+  summary = plots.summary_table(rows)
+  assert "the whole call was not timed (call_costs off)" in summary
+  assert recommendation(summary).startswith("The ngram drafter at γ=")
+
+
+def test_the_summary_explains_its_symbols_and_the_plots_use_them(tmp_path, monkeypatch):
+  summary = plots.summary_table(issue_rows())
+  for name in ("α̂", "accept rate", "E(α̂, L)", "c", "v(γ)", "round ρ", "predicted (ledger)",
+               "predicted (call)", "ceiling (call)", "speedup (min–max)"):
+    assert f"- **{name}**: " in summary, name
+  headers = {h for h, _, _ in plots.SUMMARY_COLUMNS}
+  assert set(plots.LEGEND) - {"tok/s"} <= headers
+  figures = []
+  monkeypatch.setattr(plots.plt, "close", figures.append)
+  plots.write_report(issue_rows(), tmp_path)
+  texts = []
+  for fig in figures:
+    for ax in fig.axes:
+      texts += [ax.get_xlabel(), ax.get_ylabel()]
+      if ax.get_legend():
+        texts += [t.get_text() for t in ax.get_legend().get_texts()]
+  assert any("E(α̂, L)" in t for t in texts)
+  assert not [t for t in texts if "E(α̂" in t and "E(α̂, L)" not in t], texts
+  for name in ("predicted (ledger)", "predicted (call)", "ceiling (call)", "speedup (min–max)",
+               "accept rate", "tokens/call"):
+    assert any(name in t for t in texts), name
+
+
 def test_an_unsupported_regex_escape_is_named():
   from specjax.processors import constraints
 
