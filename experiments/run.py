@@ -169,6 +169,17 @@ def _write_config(cfg, workdir: Path):
   tmp.replace(workdir / "config.json")
 
 
+def _grid_value(field, value) -> str:
+  """One grid value as a comparable key: 1 and 1.0 are one temperature, a tree is JSON."""
+  return json.dumps(_as_float(field, value), sort_keys=True)
+
+
+def _as_tuple(values) -> str:
+  """values as a --config tuple literal: '(0.0, 1.0, 0.5)', '("model",)'."""
+  items = ", ".join(json.dumps(v) for v in values)
+  return f"({items},)" if len(values) == 1 else f"({items})"
+
+
 def point_key(point: dict) -> str:
   key = {k: point[k] for k in GRID_FIELDS}
   key["tree"] = point.get("tree")
@@ -258,7 +269,24 @@ def check_workdir(cfg, workdir: Path) -> None:
     listed = "; ".join(f"{k}: {saved.get(k)!r} there, {now.get(k)!r} now" for k in differ)
     raise ValueError(f"{workdir} holds a sweep measured with other settings ({listed}); "
                      "its rows would be reported as this config's. Use another --workdir, "
-                     "or set those fields as they were (grid fields may change)")
+                     "or set those fields as they were (grid fields may grow)")
+  # config.json is rewritten with this config's grid, so it must still hold every value
+  # the rows there were measured at: a grid may grow, not lose values.
+  dropped = {}
+  for k in sorted(grid):
+    # A config written before a processor axis existed measured it off; no trees: none.
+    there = saved.get(k, [PROCESSOR_FIELDS[k]] if k in PROCESSOR_FIELDS else [])
+    here = {_grid_value(k, v) for v in now.get(k) or []}
+    if any(_grid_value(k, v) not in here for v in there or []):  # the union, old first
+      had = {_grid_value(k, v) for v in there}
+      dropped[k] = list(there) + [v for v in now.get(k) or [] if _grid_value(k, v) not in had]
+  if dropped:
+    listed = "; ".join(f"{k}: {saved.get(k)!r} there, {now.get(k)!r} now" for k in dropped)
+    flags_out = " ".join(f"--config.{k}='{_as_tuple(v)}'" for k, v in dropped.items())
+    raise ValueError(f"{workdir} holds rows measured at grid values this config leaves out "
+                     f"({listed}); its config.json would no longer describe them. Use "
+                     f"another --workdir, or keep those values (only the new points run): "
+                     f"{flags_out}")
 
 
 def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,

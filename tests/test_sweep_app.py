@@ -134,6 +134,67 @@ def test_the_summary_explains_its_symbols_and_the_plots_use_them(tmp_path, monke
     assert any(name in t for t in texts), name
 
 
+def smoke_points(cfg):
+  """The grid points of the smoke config, as run_sweep builds them."""
+  points = [dict(drafter=d, gamma=cfg.gamma[0], temperature=float(cfg.temperature[0]))
+            for d in cfg.drafter]
+  points += [dict(drafter=run_lib._tree_drafter(cfg), gamma=2, temperature=1.0,
+                  tree=[list(t) if isinstance(t, tuple) else t for t in tree])
+             for tree in cfg.trees]
+  return points
+
+
+def done_workdir(path: Path, cfg=None) -> Path:
+  """A workdir holding every point of `cfg` (the smoke config), rows made up."""
+  cfg = cfg or sweep_config.get_config("smoke")
+  run_lib._write_config(cfg, path)
+  rows = [fake_row(**p) for p in smoke_points(cfg)]
+  (path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  return path
+
+
+def test_a_grid_that_loses_values_is_refused_and_one_that_grows_is_not(tmp_path):
+  workdir = done_workdir(tmp_path / "run")
+  before = {p.name: p.read_bytes() for p in workdir.iterdir()}
+  cfg = sweep_config.get_config("smoke")
+  cfg.temperature = (0.5,)  # the issue's change: 1.0's rows would go undescribed
+  with pytest.raises(ValueError, match=re.escape(
+      "grid values this config leaves out (temperature: [1.0] there, [0.5] now); its "
+      "config.json would no longer describe them") + r".*--config.temperature='\(1.0, 0.5\)'"):
+    run_lib.run_sweep(cfg, workdir, progress=False)
+  cfg = sweep_config.get_config("smoke")
+  cfg.drafter, cfg.trees = ("ngram",), ()
+  with pytest.raises(ValueError, match=r"drafter: \['model', 'ngram', 'eagle'\] there.*"
+                                       r"--config.drafter='\(\"model\", \"ngram\", \"eagle\"\)'"
+                                       r" --config.trees='\(\[2, 1\],\)'"):
+    run_lib.check_workdir(cfg, workdir)
+  assert before == {p.name: p.read_bytes() for p in workdir.iterdir()}
+  cfg = sweep_config.get_config("smoke")
+  cfg.temperature, cfg.gamma = (1, 0.5), (2, 3)  # 1 is the 1.0 measured: a superset
+  assert run_lib.check_workdir(cfg, workdir) is None
+
+
+@pytest.mark.parametrize("temperature", [(0.5,), (1.0,)], ids=["changed", "same"])
+def test_config_json_describes_every_row_after_a_rerun(tmp_path, monkeypatch, temperature):
+  """Whether a rerun with another grid is refused or not, config.json describes every row
+  of results.jsonl afterwards (with nothing new to run, it is rewritten)."""
+  workdir = done_workdir(tmp_path / "run")
+  monkeypatch.setattr(run_lib.common, "load_pair", lambda *a, **k: pytest.fail("loaded"))
+  cfg = sweep_config.get_config("smoke")
+  cfg.temperature = temperature
+  try:
+    run_lib.run_sweep(cfg, workdir, progress=False)
+  except ValueError:
+    pass
+  rows = run_lib.read_rows(workdir / "results.jsonl")
+  assert len(rows) == 4
+  saved = json.loads((workdir / "config.json").read_text())
+  for r in rows:
+    for field in run_lib.GRID_FIELDS + tuple(run_lib.PROCESSOR_FIELDS):
+      assert r[field] in saved[field], (field, r)
+    assert r.get("tree") in [None, *saved["trees"]]
+
+
 def test_an_unsupported_regex_escape_is_named():
   from specjax.processors import constraints
 
