@@ -195,6 +195,51 @@ def test_config_json_describes_every_row_after_a_rerun(tmp_path, monkeypatch, te
     assert r.get("tree") in [None, *saved["trees"]]
 
 
+def test_progress_shows_only_the_axes_that_vary():
+  cfg = sweep_config.get_config("smoke")
+  points = [dict(p, top_p=1.0, batch_size=1, **run_lib.PROCESSOR_FIELDS)
+            for p in smoke_points(cfg)]
+  label = run_lib.progress_label(points[-1], points)
+  assert label == "drafter=model tree=(2, 1)", label
+  assert run_lib.progress_label(points[1], points) == "drafter=ngram"
+  assert run_lib.progress_label(points[0], points[:1]) == ""
+
+
+def app(*args, cwd=ROOT):
+  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="")
+  return subprocess.run([sys.executable, "-m", "experiments.run", *args], cwd=cwd, env=env,
+                        capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--config=configs/no_such.py"], r"--config=configs/no_such.py: no config file "
+                                      r"'configs/no_such.py'"),
+    (["--config=configs/sweep.py:smoke", "--config.typo=1"],
+     r"--config.typo: configs/sweep.py has no field 'typo'; its fields: batch_size, .*gamma"),
+    (["--config=configs/sweep.py:huge"], r"--config=configs/sweep.py:huge: ValueError: "
+                                         r"unknown configs/sweep.py variant 'huge'"),
+    (["--config=configs/sweep.py:smoke", "--config.gamma=(0,)"],
+     r"error: config.gamma: every γ must be an int >= 1"),
+], ids=["missing-file", "unknown-field", "unknown-variant", "bad-value"])
+def test_config_mistakes_are_one_line(tmp_path, args, message):
+  done = app(*args, f"--workdir={tmp_path / 'run'}")
+  assert done.returncode != 0
+  assert "Traceback" not in done.stderr, done.stderr
+  lines = done.stderr.strip().splitlines()
+  assert len(lines) == 1 and re.search(message, lines[0]), done.stderr
+  assert not (tmp_path / "run").exists()
+
+
+def test_the_app_ends_with_where_the_results_are(tmp_path):
+  workdir = done_workdir(tmp_path / "run")  # nothing left to run: no model loads
+  done = app("--config=configs/sweep.py:smoke", f"--workdir={workdir}")
+  assert done.returncode == 0, done.stderr
+  assert done.stdout.strip().splitlines()[-1].startswith(
+      f"wrote {workdir / 'summary.md'} (4 points)")
+  assert "Unable to initialize backend" not in done.stderr  # no TPU here, and no news
+  assert "## Recommendation" in (workdir / "summary.md").read_text()
+
+
 def test_an_unsupported_regex_escape_is_named():
   from specjax.processors import constraints
 
