@@ -3,7 +3,9 @@ r"""The sweep: γ x temperature x top-p x drafter x batch size, measured against
   python -m experiments.run --config=configs/sweep.py --workdir=runs/sweep
 
 Leaves in the workdir: config.json, results.jsonl (one row per grid point; a rerun skips
-points already there), summary.md, and PNG plots.
+points already there, and may add grid values but not drop them, so config.json describes
+every row), summary.md (with a legend and a recommendation), and PNG plots. A config
+mistake ends the run with one line naming the file or the field.
 """
 
 from __future__ import annotations
