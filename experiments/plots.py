@@ -250,14 +250,18 @@ def summary_table(rows: list[dict]) -> str:
         text += (f" The whole call's prediction, which fits, ranks it first as well "
                  f"({top['predicted_call_speedup']:.2f}x predicted).")
       else:
-        mine = best.get("predicted_call_speedup") or np.nan
-        close = top["predicted_call_speedup"] / mine - 1 <= FIT_TOLERANCE
+        mine = best.get("predicted_call_speedup")
+        close = mine and top["predicted_call_speedup"] / mine - 1 <= FIT_TOLERANCE
         text += (f" The whole call's prediction, which fits, ranks {_point(top)} first "
-                 f"({top['predicted_call_speedup']:.2f}x predicted, {_speedup(top)} "
-                 f"measured) and this point at {mine:.2f}x: "
-                 + ("closer than the prediction's fit, so the two are not told apart." if close
-                    else "more than the prediction's fit apart; time both again (more "
-                    "--config.timing_pairs) before choosing."))
+                 f"({top['predicted_call_speedup']:.2f}x predicted, {_speedup(top)} measured)")
+        if not mine:
+          text += "; this point has no whole-call prediction to set beside it."
+        elif close:
+          text += (f" and this point at {mine:.2f}x: closer than the prediction's fit, so "
+                   f"the two are not told apart.")
+        else:
+          text += (f" and this point at {mine:.2f}x: more than the prediction's fit apart; "
+                   f"time both again (more --config.timing_pairs) before choosing.")
     if best.get("speedup_min", best["speedup"]) < 1.0:
       text += (f" Its slowest timed pair ran at {best['speedup_min']:.2f}x: the machine's "
                f"speed moved while it was timed; time it again (more --config.timing_pairs) "

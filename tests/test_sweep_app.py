@@ -85,6 +85,15 @@ def test_a_fitting_prediction_that_ranks_another_point_first_says_so():
   assert "closer than the prediction's fit" in said
 
 
+def test_a_fitting_prediction_far_from_the_best_measured_asks_for_more_timing():
+  rows = [fake_row("ngram", g, speedup=s, call=c) for g, s, c in (
+      (1, 1.30, 1.25), (2, 1.26, 1.40), (4, 1.10, 1.12), (6, 1.05, 1.05), (8, 1.0, 1.0))]
+  said = recommendation(plots.summary_table(rows))
+  assert said.startswith("The ngram drafter at γ=1, T=0, batch 1: the best measured point")
+  assert "ranks the ngram drafter at γ=2, T=0, batch 1 first (1.40x predicted" in said
+  assert "more than the prediction's fit apart; time both again" in said
+
+
 def test_a_poor_whole_call_fit_recommends_only_what_was_measured():
   rows = [fake_row("ngram", g, speedup=s, ledger=s, call=2 * s)
           for g, s in ((1, 1.2), (2, 1.3), (4, 1.1))]
