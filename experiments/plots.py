@@ -241,7 +241,8 @@ def summary_table(rows: list[dict]) -> str:
     lines.append(f"Target-only decoding: no measured point ran faster than target-only "
                  f"here (the best, {_point(best)}, measured {_speedup(best)}).")
   else:
-    text = f"{_point(best)[0].upper()}{_point(best)[1:]}: the best measured point, {_speedup(best)}."
+    point = _point(best)
+    text = f"{point[0].upper()}{point[1:]}: the best measured point, {_speedup(best)}."
     if fits(*call_fit):
       ranked = sorted((r for r in rows if r.get("predicted_call_speedup")),
                       key=lambda r: -r["predicted_call_speedup"])
