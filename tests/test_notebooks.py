@@ -155,3 +155,12 @@ def test_every_cell_has_a_unique_id(path):
   """nbformat 4.5 cells carry unique ids (a missing one is a warning now, an error later)."""
   ids = [cell.get("id") for cell in json.loads(path.read_text())["cells"]]
   assert None not in ids and "" not in ids and len(set(ids)) == len(ids)
+
+
+def test_the_notebooks_readme_lists_every_notebook():
+  """notebooks/README.md says which to open first and what each needs, for each of them."""
+  text = (ROOT / "notebooks" / "README.md").read_text()
+  assert "Open **`quickstart.ipynb`** first" in text
+  rows = [line for line in text.splitlines() if line.startswith("| `")]
+  assert sorted(line.split("`")[1] for line in rows) == [p.name for p in NOTEBOOKS]
+  assert setup_url() in text
