@@ -4,6 +4,8 @@ setup(
     name="specjax",
     version="0.1.0",
     description="Lossless speculative decoding in JAX/Flax",
+    # The one place the repository's URL is written: the notebooks' install cells clone it.
+    url="https://github.com/specjax/specjax",
     python_requires=">=3.11",
     packages=find_packages(include=["specjax", "specjax.*"]),
     package_data={"specjax": ["py.typed"], "specjax.backends.cpu": ["fewrow.cc"]},

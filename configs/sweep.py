@@ -29,9 +29,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.drafter = ("model", "ngram", "eagle")  # also 'medusa' (γ up to its head count)
   c.eagle_head = "stdlib-eagle"  # draft heads trained on the target: name or directory
   c.medusa_head = "stdlib-medusa"
-  # Paired timing of three drafters: keep the default a short run. On a 2-core CPU every
-  # drafter's best γ is at most 4 (the ledger's optima there: 1 for the draft model and
-  # the EAGLE head, 4 for prompt lookup); 'full' sweeps longer drafts.
+  # Paired timing of three drafters: keep the default a short run. summary.md recommends
+  # the best measured point, and says whether the whole-call prediction, where it fits,
+  # agrees; a best γ at the grid's largest says longer drafts went unmeasured ('full'
+  # sweeps them, or --config.gamma='(1,2,4,6,8)').
   c.gamma = (1, 2, 4)
   c.temperature = (0.0, 1.0)
   c.top_p = (1.0,)

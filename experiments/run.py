@@ -3,15 +3,20 @@ r"""The sweep: γ x temperature x top-p x drafter x batch size, measured against
   python -m experiments.run --config=configs/sweep.py --workdir=runs/sweep
 
 Leaves in the workdir: config.json, results.jsonl (one row per grid point; a rerun skips
-points already there), summary.md, and PNG plots.
+points already there, and may add grid values but not drop them, so config.json describes
+every row), summary.md (with a legend and a recommendation), and PNG plots. A config
+mistake ends the run with one line naming the file or the field.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
+import logging as stdlib_logging
 import math
 import os
+import re
 from pathlib import Path
 
 from absl import app
@@ -169,6 +174,17 @@ def _write_config(cfg, workdir: Path):
   tmp.replace(workdir / "config.json")
 
 
+def _grid_value(field, value) -> str:
+  """One grid value as a comparable key: 1 and 1.0 are one temperature, a tree is JSON."""
+  return json.dumps(_as_float(field, value), sort_keys=True)
+
+
+def _as_tuple(values) -> str:
+  """values as a --config tuple literal: '(0.0, 1.0, 0.5)', '("model",)'."""
+  items = ", ".join(json.dumps(v) for v in values)
+  return f"({items},)" if len(values) == 1 else f"({items})"
+
+
 def point_key(point: dict) -> str:
   key = {k: point[k] for k in GRID_FIELDS}
   key["tree"] = point.get("tree")
@@ -258,7 +274,24 @@ def check_workdir(cfg, workdir: Path) -> None:
     listed = "; ".join(f"{k}: {saved.get(k)!r} there, {now.get(k)!r} now" for k in differ)
     raise ValueError(f"{workdir} holds a sweep measured with other settings ({listed}); "
                      "its rows would be reported as this config's. Use another --workdir, "
-                     "or set those fields as they were (grid fields may change)")
+                     "or set those fields as they were (grid fields may grow)")
+  # config.json is rewritten with this config's grid, so it must still hold every value
+  # the rows there were measured at: a grid may grow, not lose values.
+  dropped = {}
+  for k in sorted(grid):
+    # A config written before a processor axis existed measured it off; no trees: none.
+    there = saved.get(k, [PROCESSOR_FIELDS[k]] if k in PROCESSOR_FIELDS else [])
+    here = {_grid_value(k, v) for v in now.get(k) or []}
+    if any(_grid_value(k, v) not in here for v in there or []):  # the union, old first
+      had = {_grid_value(k, v) for v in there}
+      dropped[k] = list(there) + [v for v in now.get(k) or [] if _grid_value(k, v) not in had]
+  if dropped:
+    listed = "; ".join(f"{k}: {saved.get(k)!r} there, {now.get(k)!r} now" for k in dropped)
+    flags_out = " ".join(f"--config.{k}='{_as_tuple(v)}'" for k, v in dropped.items())
+    raise ValueError(f"{workdir} holds rows measured at grid values this config leaves out "
+                     f"({listed}); its config.json would no longer describe them. Use "
+                     f"another --workdir, or keep those values (only the new points run): "
+                     f"{flags_out}")
 
 
 def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
@@ -369,7 +402,7 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
 
   bar = tqdm.tqdm(todo, desc="sweep", disable=not progress)
   for point in bar:
-    bar.set_postfix_str(" ".join(f"{k}={v}" for k, v in point.items()))
+    bar.set_postfix_str(progress_label(point, todo))
     # A greedy draft skips sampling, so its cost depends on whether T is 0.
     tree = _as_tree(point.get("tree"))
     ckey = (point["drafter"], point["gamma"], point["batch_size"], point["temperature"] == 0,
@@ -396,6 +429,16 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
       f.write(json.dumps(row) + "\n")
   plots.write_report(rows, workdir)
   return rows
+
+
+def progress_label(point: dict, points: list[dict]) -> str:
+  """The axes of `point` that vary across `points` ('drafter=ngram γ=4 T=0.0'): the
+  constants of the grid say nothing about which point runs."""
+  short = {"gamma": "γ", "temperature": "T", "batch_size": "batch"}
+  varying = [k for k in point
+             if len({_grid_value(k, p.get(k)) for p in points}) > 1]
+  return " ".join(f"{short.get(k, k)}={_as_tree(point[k]) if k == 'tree' else point[k]}"
+                  for k in varying)
 
 
 def make_row(point, timing, sc, machine, calls=None) -> dict:
@@ -482,10 +525,77 @@ def _as_tree(tree):
   return tuple(tuple(x) if isinstance(x, list) else x for x in tree)
 
 
+def config_error(argv: list[str], error: Exception) -> str:
+  """One line for a config mistake found while parsing the flags: the config file that
+  cannot be read, the field it does not have (with the ones it has), or the file's own
+  message."""
+  arg = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+  if arg is None and "--config" in argv[:-1]:
+    arg = argv[argv.index("--config") + 1]
+  arg = arg or _CONFIG.default
+  path, _, variant = arg.partition(":")
+  if not os.path.isfile(path):
+    return f"--config={arg}: no config file {path!r} (from {os.getcwd()})"
+  if isinstance(error, (AttributeError, KeyError, TypeError)):
+    try:
+      spec = importlib.util.spec_from_file_location("_sweep_config", path)
+      module = importlib.util.module_from_spec(spec)
+      spec.loader.exec_module(module)
+      cfg = module.get_config(variant) if variant else module.get_config()
+    except Exception:  # noqa: BLE001  the flags' own message below is all there is
+      cfg = None
+    for a in argv:
+      if not a.startswith("--config."):
+        continue
+      name = a[len("--config."):].split("=", 1)[0]
+      node, parts = cfg, name.split(".")
+      for i, part in enumerate(parts):
+        if cfg is None:
+          break
+        where = ".".join(parts[:i])
+        if not hasattr(node, "keys"):
+          return (f"--config.{name}: the field {where!r} of {path} is a "
+                  f"{type(node).__name__}, with no fields of its own")
+        if part not in node:
+          return (f"--config.{name}: {path}{' field ' + where if where else ''} has no "
+                  f"field {part!r}; its fields: {', '.join(sorted(node.keys()))}")
+        node = node[part]
+  text = str(error).strip()
+  # A config file's exception comes back inside the flag's message, traceback and all.
+  raised = [line.strip() for line in text.splitlines()
+            if re.match(r"\s*[A-Za-z_.]*(Error|Exception): ", line)]
+  if raised:
+    return f"--config={arg}: {raised[-1]}"
+  first = text.splitlines()[0] if text else ""
+  if isinstance(error, flags.Error):  # absl's own: an unknown flag, a missing --workdir
+    return first or type(error).__name__
+  return f"--config={arg}: {type(error).__name__}: {first}"  # raised loading the file
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing; a config mistake exits with one line instead of tracebacks."""
+  try:
+    rest = flags.FLAGS(argv)
+    _CONFIG.value.keys()  # a config file that failed to load raises only when read
+  except Exception as e:  # noqa: BLE001  every parsing failure is the command line's
+    logging.debug("flag parsing failed", exc_info=True)
+    raise SystemExit(f"{Path(argv[0]).name}: {config_error(argv, e)}") from None
+  return rest
+
+
 def main(argv):
   del argv
-  run_sweep(_CONFIG.value, _WORKDIR.value)
+  # On a machine without a TPU, jax says so at INFO on every run.
+  stdlib_logging.getLogger("jax._src.xla_bridge").setLevel(stdlib_logging.WARNING)
+  workdir = Path(_WORKDIR.value)
+  try:
+    rows = run_sweep(_CONFIG.value, workdir)
+  except ValueError as e:  # the sweep's messages name the field or path and the way out
+    logging.debug("the sweep stopped", exc_info=True)
+    raise SystemExit(f"error: {e}") from None
+  print(f"wrote {workdir / 'summary.md'} ({len(rows)} points), with results.jsonl, "
+        f"config.json and {len(plots.PLOTS)} plots beside it")
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

@@ -96,6 +96,31 @@ def test_notebook_runs(path, tmp_path):
   outputs = execute(path, parameters, DEVICES.get(path.stem, 1))
   if path.stem == "tpu_real_pair":
     check_real_pair(outputs, parameters)
+  if path.stem == "quickstart":  # the agreement is reported, as on an accelerator
+    text = "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream")
+    assert "prompt 0: identical for 32/32 tokens" in text
+    assert "prompt 1: identical for 32/32 tokens" in text
+
+
+def setup_url() -> str:
+  import ast
+  call = next(n for n in ast.walk(ast.parse((ROOT / "setup.py").read_text()))
+              if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "setup")
+  return next(k.value.value for k in call.keywords if k.arg == "url")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_the_install_cell_clones_setup_py_url_unless_told_otherwise(path):
+  """A notebook runs on Colab as shipped: its install cell's default is the project's URL
+  (setup.py's, the one place it is written), and SPECJAX_REPO overrides it."""
+  url = setup_url()
+  assert url.startswith("https://")
+  cells = ["".join(c["source"]) for c in json.loads(path.read_text())["cells"]
+           if c["cell_type"] == "code"]
+  install = [c for c in cells if "git clone" in c or "'git', 'clone'" in c]
+  assert len(install) == 1, path.name
+  assert f"os.environ.get('SPECJAX_REPO', '{url}')" in install[0]
+  assert "assert" not in install[0] and "<org>" not in install[0]
 
 
 def check_real_pair(outputs, parameters):
@@ -130,3 +155,12 @@ def test_every_cell_has_a_unique_id(path):
   """nbformat 4.5 cells carry unique ids (a missing one is a warning now, an error later)."""
   ids = [cell.get("id") for cell in json.loads(path.read_text())["cells"]]
   assert None not in ids and "" not in ids and len(set(ids)) == len(ids)
+
+
+def test_the_notebooks_readme_lists_every_notebook():
+  """notebooks/README.md says which to open first and what each needs, for each of them."""
+  text = (ROOT / "notebooks" / "README.md").read_text()
+  assert "Open **`quickstart.ipynb`** first" in text
+  rows = [line for line in text.splitlines() if line.startswith("| `")]
+  assert sorted(line.split("`")[1] for line in rows) == [p.name for p in NOTEBOOKS]
+  assert setup_url() in text

@@ -14,6 +14,7 @@ incomplete UTF-8 sequence never match (they are DEAD everywhere).
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 
@@ -83,6 +84,15 @@ def regex(pattern: str, tokenizer) -> TokenAutomaton:
   try:
     fsm = interegular.parse_pattern(pattern).to_fsm()
   except Exception as e:  # interegular raises its own parse errors
+    # interegular says 'unicode properties' for every \u, \U, \N, \p and \P escape.
+    escape = re.search(r"(?<!\\)(?:\\\\)*(\\(?:[pP]\{[^}]*\}|N\{[^}]*\}|u[0-9a-fA-F]{0,4}"
+                       r"|U[0-9a-fA-F]{0,8}|[NpP]))", pattern)
+    if "unicode properties" in str(e) and escape:
+      raise ValueError(
+          f"cannot compile regex {pattern!r}: the escape {escape.group(1)} (at character "
+          f"{escape.start(1)}) is not supported: the regex compiler (interegular) takes no "
+          f"\\u, \\U, \\N{{...}}, \\p{{...}} or \\P{{...}} escape (\\xHH it takes); write "
+          "the character itself, or list the characters a property stands for") from e
     raise ValueError(f"cannot parse regex {pattern!r}: {e}") from e
   states = sorted(fsm.states)
   # Only states from which an accepting state is reachable are kept; the rest are DEAD.
