@@ -28,11 +28,14 @@ import tqdm
 from experiments import common
 from experiments import plots
 from specjax import costs
-from specjax import generation
+from specjax import arguments
+from specjax import compile_guard
 from specjax import ledger
 from specjax import policies
+from specjax import rng
 from specjax.models import heads as heads_lib
 from specjax.models.pretrained import load_pretrained, read_config
+from specjax.prepare import prepare
 from specjax.training import data as data_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/sweep.py", "Sweep config.")
@@ -85,19 +88,19 @@ def validate(cfg) -> None:
   if "confidence" in cfg.gamma_policy and not 0 < cfg.draft_confidence < 1:
     fail("draft_confidence", "must be in (0, 1)")
   for d in cfg.drafter:
-    if d not in generation.DRAFTERS:
-      fail("drafter", f"unknown drafter {d!r}; use one of {generation.DRAFTERS}")
+    if d not in arguments.DRAFTERS:
+      fail("drafter", f"unknown drafter {d!r}; use one of {arguments.DRAFTERS}")
   if any(not isinstance(t, (tuple, list)) for t in cfg.trees):  # '((2,2,1,1))' is one flat tuple
     fail("trees", "is a tuple of trees, each a tuple: one tree is '((2,2,1,1),)', "
          "with the comma")
   for tree in cfg.trees:
     try:
-      generation.make_tree(tree, None)
+      arguments.make_tree(tree, None)
     except ValueError as e:
       fail("trees", str(e))
   if ("model" in cfg.drafter or _tree_drafter(cfg) == "model") and not cfg.draft:
     fail("draft", "drafter 'model' needs a draft model")
-  for d in generation.HEAD_DRAFTERS:
+  for d in arguments.HEAD_DRAFTERS:
     if d in cfg.drafter and not cfg.get(f"{d}_head"):
       fail(f"{d}_head", f"drafter {d!r} needs a {d} head (a shipped name or a directory)")
   for g in cfg.gamma:
@@ -325,18 +328,18 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
   base = [p for p in grid if p["drafter"] == cfg.drafter[0] and p["gamma"] == cfg.gamma[0]
           and p["gamma_policy"] == "fixed" and p["verify_rule"] == "exact"]
   for tree in cfg.trees:  # each tree over the chain points only (not the previous trees')
-    depth = generation.make_tree(tree, None).depth
+    depth = arguments.make_tree(tree, None).depth
     as_json = [list(x) if isinstance(x, (list, tuple)) else x for x in tree]
     grid += [dict(p, drafter=_tree_drafter(cfg), gamma=depth, tree=as_json) for p in base]
   # Heads are small: load them first (a bad name fails before the models load).
-  for d in generation.HEAD_DRAFTERS:
+  for d in arguments.HEAD_DRAFTERS:
     if d in cfg.drafter:
       found = read_config(cfg[f"{d}_head"])
       if found is not None and getattr(found, "kind", None) != d:
         what = f"a {found.kind} head" if hasattr(found, "kind") else "a model, not a head"
         raise ValueError(f"config.{d}_head: {cfg[f'{d}_head']!r} is {what}; drafter {d!r} "
                          f"needs a {d} head")
-  heads = {d: load_pretrained(cfg[f"{d}_head"]) for d in generation.HEAD_DRAFTERS
+  heads = {d: load_pretrained(cfg[f"{d}_head"]) for d in arguments.HEAD_DRAFTERS
            if d in cfg.drafter}
   if "medusa" in heads:  # K heads draft at most K tokens
     k = heads["medusa"].config.medusa_heads
@@ -392,8 +395,7 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
                                  draft_cost=(0.1, 1.5))  # a stand-in for the measured pair
     for kwargs in (sampling, spec):
       try:
-        generation.prepare(target, prompts, **{k: v for k, v in kwargs.items()
-                                               if k not in ("seed", "mesh")})
+        prepare(target, prompts, **{k: v for k, v in kwargs.items() if k != "seed"})
       except ValueError as e:
         raise ValueError(f"grid point {point_key(point)}: {e}") from e
   _write_config(cfg, workdir)
@@ -402,6 +404,7 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
 
   bar = tqdm.tqdm(todo, desc="sweep", disable=not progress)
   for point in bar:
+    compile_guard.release_near_map_limit()  # a long sweep compiles program after program
     bar.set_postfix_str(progress_label(point, todo))
     # A greedy draft skips sampling, so its cost depends on whether T is 0.
     tree = _as_tree(point.get("tree"))
@@ -452,7 +455,7 @@ def make_row(point, timing, sc, machine, calls=None) -> dict:
   steps = (stats["draft_steps"] / stats["target_calls"] if stats.get("target_calls")
            else gamma)  # draft steps a round ran (the n-gram drafter: γ, matched or not)
   if tree:
-    parents = generation.make_tree(tree, None).parents
+    parents = arguments.make_tree(tree, None).parents
     # α̂ by sibling rank: a later sibling is tried against what p has left.
     expected = ledger.tree_expected_tokens(parents, stats.get("alpha_by_sibling") or alpha)
     verify = sc["v"]
@@ -585,6 +588,7 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 def main(argv):
   del argv
+  rng.use_unrolled_threefry()  # the CPU's faster random bits (specjax.rng), before tracing
   # On a machine without a TPU, jax says so at INFO on every run.
   stdlib_logging.getLogger("jax._src.xla_bridge").setLevel(stdlib_logging.WARNING)
   workdir = Path(_WORKDIR.value)
