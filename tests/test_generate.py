@@ -787,10 +787,10 @@ def test_stream_refuses_bad_input_before_anything_runs(stream_pair, kw, message)
 def test_a_bad_mesh_is_refused_before_the_ledger_times_the_pair(stream_pair, monkeypatch):
   """gamma_policy='ledger' times the pair in `prepare` (seconds): the mesh is checked
   before it, for generate and stream alike."""
-  from specjax import costs
+  from specjax import timing
   def timed(*args, **kwargs):
     raise AssertionError("the pair was timed before the mesh was checked")
-  monkeypatch.setattr(costs, "step_costs", timed)
+  monkeypatch.setattr(timing, "step_costs", timed)
   target, draft = stream_pair
   for call in (specjax.generate, specjax.stream):
     with pytest.raises(ValueError, match="mesh must be a jax.sharding.Mesh"):

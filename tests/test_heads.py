@@ -309,7 +309,7 @@ def run_with_head(target, head, prompts, gamma, temperature, max_new=12, seed=0)
   from specjax import generation
   args = generation.prepare(target, prompts, max_new_tokens=max_new, temperature=temperature,
                             top_k=0, top_p=1.0, eos_id=None, gamma=gamma, draft=head)
-  assert type(args.engine.drafter) is type(head.drafter(gamma))
+  assert type(args.engine.drafter) is type(head_drafters.for_head(head.config, gamma))
   state = args.run(jax.random.PRNGKey(seed))
   tokens, n, plen = jax.device_get((state.tokens, state.n, state.prompt_len))
   return [tokens[i, plen[i]:n[i]].tolist() for i in range(len(prompts))], state
