@@ -55,8 +55,9 @@ def generate(target: Model, prompts, *, seed: int = 0, mesh=None,
       but not both.
   """
   seed = arguments.check_seed(seed)
-  prepared = prepare(target, prompts, mesh=mesh, sampling=sampling, stopping=stopping,
-                     speculation=speculation, output=output, **settings)
+  given = params_lib.resolve(settings, "generate", sampling=sampling, stopping=stopping,
+                             speculation=speculation, output=output)
+  prepared = prepare(target, prompts, mesh=mesh, **given.flat())
   return build_result(target, prepared.engine, prepared.run(seed_key(seed)), prepared.stops)
 
 
