@@ -8,6 +8,7 @@ the best (or median) times of separately timed loops.
 import types
 
 from specjax import costs
+from specjax import timing
 
 
 def scripted(times):
@@ -18,9 +19,9 @@ def scripted(times):
 def test_step_costs_are_medians_of_per_round_ratios(monkeypatch):
   # Round 3 ran on a machine twice as slow for every loop.
   step, verify, propose = [1.0, 2.0, 4.0], [3.0, 2.0, 4.0], [0.8, 1.6, 4.0]
-  monkeypatch.setattr(costs, "forward_timer", lambda model, batch, t, **kw: scripted(
+  monkeypatch.setattr(timing, "forward_timer", lambda model, batch, t, **kw: scripted(
       step if t == 1 else verify))
-  monkeypatch.setattr(costs, "propose_timer", lambda *a, **kw: scripted(propose))
+  monkeypatch.setattr(timing, "propose_timer", lambda *a, **kw: scripted(propose))
   target = types.SimpleNamespace(config=types.SimpleNamespace(vocab_size=8))
   drafter = types.SimpleNamespace(gamma=2)
   sc = costs.step_costs(target, drafter, None, 1, 16, repeats=3)
@@ -33,9 +34,9 @@ def test_step_costs_are_medians_of_per_round_ratios(monkeypatch):
 
 def test_a_proposal_timed_below_zero_costs_nothing(monkeypatch):
   # A lookup's `propose` is below what a differenced loop resolves: -0.01 reads as 0.
-  monkeypatch.setattr(costs, "forward_timer", lambda model, batch, t, **kw: scripted(
+  monkeypatch.setattr(timing, "forward_timer", lambda model, batch, t, **kw: scripted(
       [1.0] * 3 if t == 1 else [2.0] * 3))
-  monkeypatch.setattr(costs, "propose_timer", lambda *a, **kw: scripted([-0.01, 0.02, 0.04]))
+  monkeypatch.setattr(timing, "propose_timer", lambda *a, **kw: scripted([-0.01, 0.02, 0.04]))
   target = types.SimpleNamespace(config=types.SimpleNamespace(vocab_size=8))
   sc = costs.step_costs(target, types.SimpleNamespace(gamma=2), None, 1, 16, repeats=3)
   assert (sc["c_min"], sc["c"], sc["c_max"]) == (0.0, 0.01, 0.02)
@@ -44,7 +45,7 @@ def test_a_proposal_timed_below_zero_costs_nothing(monkeypatch):
 def test_verify_costs_pair_each_pass_with_the_step_before_it(monkeypatch):
   step = [1.0, 1.0, 3.0, 3.0]  # rounds: (γ=1, γ=2), (γ=1, γ=2); the second is slow
   passes = {2: [1.5, 3.0], 3: [2.0, 6.0]}
-  monkeypatch.setattr(costs, "forward_timer", lambda model, batch, t, **kw: scripted(
+  monkeypatch.setattr(timing, "forward_timer", lambda model, batch, t, **kw: scripted(
       step if t == 1 else passes[t]))
   target = types.SimpleNamespace(config=types.SimpleNamespace(
       d_model=8, n_heads=2, head_dim=4, n_kv_heads=2, d_ff=16, mlp="swiglu", n_layers=1,
@@ -70,8 +71,7 @@ def test_call_costs_split_calls_into_rounds_and_a_fixed_part(monkeypatch):
     return lambda rounds: asked.append((side, rounds)) or (walls[side][rounds].pop(0),
                                                             ran.get((side, rounds), rounds))
 
-  from specjax import generation
-  monkeypatch.setattr(generation, "prepare", lambda target, prompts, **kw: types.SimpleNamespace(
+  monkeypatch.setattr(costs, "prepare", lambda target, prompts, **kw: types.SimpleNamespace(
       engine=types.SimpleNamespace(gamma=2)))
   monkeypatch.setattr(costs, "call_timer", call_timer)
   out = costs.call_costs(None, [[1]], dict(max_new_tokens=64, drafter="ngram"),
@@ -159,7 +159,7 @@ def test_round_parts_price_a_round_in_steps_of_its_own_round(monkeypatch):
   assert len(drafted_at) == 1 and abs(drafted_at[0] - 0.7) < 1e-6
   # Target-only (γ = 0): no propose, and the pass is the step itself.
   monkeypatch.setattr(costs, "round_timer", lambda prepared, many, few: scripted(rounds))
-  monkeypatch.setattr(costs, "forward_timer", lambda model, batch, t, **kw: scripted(step))
+  monkeypatch.setattr(timing, "forward_timer", lambda model, batch, t, **kw: scripted(step))
   prepared.engine.drafter.gamma = 0
   parts = costs.round_parts(target, prepared, context=16, repeats=3)
   assert parts["propose"] == 0.0 and parts["verify"] == 1.0 and parts["rest"] == 1.0

@@ -116,25 +116,26 @@ class LawTest(parameterized.TestCase):
     target, draft = target_and_draft()
     rows, length = LAW_ROWS, 3
     law = exact_law(target, PROMPT, length, TEMPERATURE, PENALTIES)
-    right = decode_lib._per_prefix
+    from specjax.verify import layouts
+    right = layouts.Chain.prefixes
     kw = dict(max_new_tokens=length, temperature=TEMPERATURE, seed=5, gamma=3, draft=draft,
               eos_id=EOS, **PENALTIES)  # without eos_id the rows run on past EOS and fail
     ok, worst = law_check(law, specjax.generate(target, [PROMPT] * rows, **kw).tokens, length)
     self.assertTrue(ok, f"the right engine failed (worst z={worst})")
 
-    def committed_only(sampling, history, tokens):
-      out = right(sampling, history, tokens)
+    def committed_only(self, sampling, history, tokens):
+      out = right(self, sampling, history, tokens)
       if out is None or tokens.shape[1] != 3:  # only the γ draft positions are wronged
         return out
       return out.replace(counts=out.counts[:, :1].repeat(4, axis=1),
                          gen_counts=out.gen_counts[:, :1].repeat(4, axis=1))
 
-    decode_lib._per_prefix = committed_only
+    layouts.Chain.prefixes = committed_only
     decode_lib.decode.clear_cache()
     try:
       res = specjax.generate(target, [PROMPT] * rows, **kw)
     finally:
-      decode_lib._per_prefix = right
+      layouts.Chain.prefixes = right
       decode_lib.decode.clear_cache()
     ok, worst = law_check(law, res.tokens, length)
     self.assertFalse(ok, f"the wrong engine passed (worst z={worst})")

@@ -314,19 +314,20 @@ class ProcessorTest(parameterized.TestCase):
     breaks greedy equality on the same inputs."""
     target, draft = self._pair()
     ar = specjax.generate(target, PROMPTS, max_new_tokens=12, **PROC_KW)
-    right = decode_lib._per_node
+    from specjax.verify import layouts
+    right = layouts.TreeLayout.prefixes
 
-    def committed_only(sampling, history, tokens, tree):
-      out = right(sampling, history, tokens, tree)
+    def committed_only(self, sampling, history, tokens):
+      out = right(self, sampling, history, tokens)
       return jax.tree_util.tree_map(lambda x: jnp.repeat(x[:, :1], x.shape[1], axis=1), out)
 
-    decode_lib._per_node = committed_only
+    layouts.TreeLayout.prefixes = committed_only
     decode_lib.decode.clear_cache()
     try:
       res = specjax.generate(target, PROMPTS, max_new_tokens=12, draft=draft, tree=(2, 2, 1),
                              draft_sample="greedy", **PROC_KW)
     finally:
-      decode_lib._per_node = right
+      layouts.TreeLayout.prefixes = right
       decode_lib.decode.clear_cache()
     self.assertNotEqual(res.tokens, ar.tokens)
 

@@ -112,8 +112,14 @@ class Sampling:
 
   def process(self, logits: jax.Array, history=None, banned=None) -> jax.Array:
     """logits [B, ..., V] -> the distributions sampled from (processors need [B, V])."""
+    paths = self.paths
+    if self.pcfg.adjusts and history is not None and not paths.greedy:
+      # With penalties up to 1e30 in the logits, the sampled path compiled straight
+      # (no conditional) gave NaN rows on XLA:CPU where the conditional's did not
+      # (tests/test_generate.py, processors at their limit): kept traced there.
+      paths = Paths()
     return process_logits(self.adjust(logits, history, banned), self.temperature,
-                          self.top_k, self.top_p, self.paths)
+                          self.top_k, self.top_p, paths)
 
   def advance(self, history, token):
     """The history after appending token int32[B] (None stays None)."""
