@@ -50,7 +50,7 @@ class Engine:
   drafter: Any  # a drafter from `specjax.drafters` (frozen dataclass)
   rule: Any = ExactRule()  # a verify rule from `specjax.verify` (frozen dataclass)
   policy: policies.GammaPolicy = policies.GammaPolicy()  # draft length per row and round
-  # The jax Mesh ('data', 'model') the state is laid out on (`specjax.models.sharding`); None:
+  # The jax Mesh ('data', 'model') the state is laid out on (`specjax.distribute`); None:
   # wherever the inputs are (one device), and no constraint is traced.
   mesh: Any = None
   # Keep the target's log-probability of every committed token (`DecodeState.logprobs`),
@@ -68,7 +68,8 @@ class Engine:
   # None: the process's (`backends.default_options`, fixed once used).
   backend_options: backends.Options | None = None
   # A tree walk's loops unrolled (True), rolled (False), or by platform (None: unrolled
-  # but on a CPU); the same numbers either way (`experiments.compile_time`).
+  # but on a CPU, where unrolled loops compile slower and run no faster); the same
+  # numbers either way.
   unroll_walk: bool | None = None
 
   @property
@@ -81,13 +82,8 @@ class Engine:
     return backends.select(self.backend_options, whole_rows=self.mesh is not None)
 
 
-def _on_backend(fn):
-  """fn(engine, ...) traced on `engine.backend` (`backends.use`), wherever it is called."""
-  @functools.wraps(fn)
-  def run(engine, *args, **kwargs):
-    with backends.use(engine.backend):
-      return fn(engine, *args, **kwargs)
-  return run
+# fn(engine, ...) traced on `engine.backend`, wherever it is called (`costs.round_timer`).
+_on_backend = backends.traced_on(lambda engine, *args, **kwargs: engine.backend)
 
 
 def _target_pass(engine: Engine, params, tokens, kv, empty=False, **layout):
@@ -313,7 +309,7 @@ def cpu_layout(engine: Engine, weights: Weights) -> Weights:
 # The last laid-out parameter sets (`laid_out`). Each entry keeps the arrays it was made
 # from, so no id in its key can be reused while it lives. Three: a target and two drafts
 # compared call after call (target-only, a draft model, a head) lay nothing out again;
-# with two, each switch laid a draft out anew (4 ms the shipped draft, 8 ms its EAGLE head).
+# with two, each switch laid a draft out anew.
 _LAYOUTS: collections.OrderedDict = collections.OrderedDict()
 _LAYOUTS_KEPT = 3
 
@@ -322,8 +318,8 @@ def laid_out(engine: Engine, weights: Weights) -> Weights:
   """`cpu_layout(engine, weights)`, kept for the next call with the same arrays.
 
   `decode` lays the weights out inside the compiled call (a copy of every weight); done
-  once here instead, a call skips that copy (on the shipped target 3.7 ms of a 64-token
-  call's 9.6 ms first round). The three most recent parameter sets stay laid out, a
+  once here instead, a call skips that copy (a large share of a short call's first
+  round on the shipped target). The three most recent parameter sets stay laid out, a
   second copy of their weights in memory (and any set a live `Prepared`, a stream's,
   still holds); `decode` leaves weights laid out already as they are.
   A draft head's leaves that are the target's own arrays get the target's laid-out
@@ -358,7 +354,7 @@ def laid_out(engine: Engine, weights: Weights) -> Weights:
 
 
 # laid_out's draft params with the target's arrays shared, per pair of laid-out sets
-# (kept with them, so their ids stay theirs): a call skips rebuilding it (0.12-0.17 ms).
+# (kept with them, so their ids stay theirs): a call skips rebuilding it.
 _SHARED: dict = {}
 
 
@@ -366,8 +362,8 @@ def _shared(weights: Weights, target_out, draft_out):
   """draft_out with each leaf that is one of the target's own arrays (a draft head's
   embedding, final norm, LM head: `heads.shared_params`) replaced by the target's laid-out
   copy, where the two copies are alike: one panel array in memory instead of two,
-  which both models' products then read from the same cache lines (EAGLE decode calls
-  2-4% shorter on a 2-core CPU, docs/CPU_VERIFY.md, "Eighth pass")."""
+  which both models' products then read from the same cache lines (docs/ARCHITECTURE.md,
+  "Why a step costs what it does")."""
   flat = jax.tree_util.tree_flatten_with_path
   target_in = {path: leaf for path, leaf in flat(weights.target)[0]}
   target_laid = {path: leaf for path, leaf in flat(target_out)[0]}
@@ -403,24 +399,21 @@ def run_loop(engine: Engine, weights: Weights, state: DecodeState, sampling: Sam
 def decode(engine: Engine, prompt_width: int, cache_size: int, weights: Weights, tokens,
            prompt_len, sampling: Sampling, key, max_rounds=NO_ROUND_LIMIT) -> DecodeState:
   """Prefill + every round (at most max_rounds), compiled once per (engine, shapes)."""
-  # On a mesh the batch is split over devices: no row-by-row CPU matmuls (`Engine.backend`).
-  with backends.use(engine.backend):
-    # Once per call, outside the loop: XLA does not hoist the copy out of it.
-    weights = cpu_layout(engine, weights)
-    state = prefill(engine, weights, tokens, prompt_len, prompt_width, cache_size, key,
-                    sampling)
-    return run_loop(engine, weights, distribute.constrain(engine, state), sampling,
-                    jnp.asarray(max_rounds, jnp.int32))
+  # Once per call, outside the loop: XLA does not hoist the copy out of it.
+  weights = cpu_layout(engine, weights)
+  state = prefill(engine, weights, tokens, prompt_len, prompt_width, cache_size, key,
+                  sampling)
+  return run_loop(engine, weights, distribute.constrain(engine, state), sampling,
+                  jnp.asarray(max_rounds, jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnames=("engine", "prompt_width", "cache_size"))
 def start(engine: Engine, prompt_width: int, cache_size: int, weights: Weights, tokens,
           prompt_len, sampling: Sampling, key) -> DecodeState:
   """`decode`'s prefill alone: the state `resume` continues (`generation.stream`)."""
-  with backends.use(engine.backend):
-    return distribute.constrain(engine, prefill(engine, cpu_layout(engine, weights), tokens,
-                                              prompt_len, prompt_width, cache_size, key,
-                                              sampling))
+  return distribute.constrain(engine, prefill(engine, cpu_layout(engine, weights), tokens,
+                                            prompt_len, prompt_width, cache_size, key,
+                                            sampling))
 
 
 @functools.partial(jax.jit, static_argnames=("engine",), donate_argnames=("state",))
@@ -429,6 +422,5 @@ def resume(engine: Engine, weights: Weights, state: DecodeState, sampling: Sampl
   """`decode`'s rounds from `state` until every row is done or `state.target_calls`
   reaches max_rounds (traced: one program for every chunk). The state's key is split
   every round, so rounds run in chunks draw what one call draws."""
-  with backends.use(engine.backend):
-    return run_loop(engine, cpu_layout(engine, weights), state, sampling,
-                    jnp.asarray(max_rounds, jnp.int32))
+  return run_loop(engine, cpu_layout(engine, weights), state, sampling,
+                  jnp.asarray(max_rounds, jnp.int32))

@@ -12,7 +12,7 @@ from specjax import arguments
 from specjax import checks
 from specjax import params as params_lib
 from specjax.models.model import Model
-from specjax.prepare import Prepared, prepare, seed_key
+from specjax.prepare import Prepared, prepare, prepare_resolved, seed_key
 from specjax.results import Chunk, GenerateResult, Stream, build_result
 
 __all__ = ["Chunk", "GenerateResult", "Prepared", "Stream", "generate", "prepare", "stream"]
@@ -57,7 +57,7 @@ def generate(target: Model, prompts, *, seed: int = 0, mesh=None,
   seed = arguments.check_seed(seed)
   given = params_lib.resolve(settings, "generate", sampling=sampling, stopping=stopping,
                              speculation=speculation, output=output)
-  prepared = prepare(target, prompts, mesh=mesh, **given.flat())
+  prepared = prepare_resolved(target, prompts, given, mesh)
   return build_result(target, prepared.engine, prepared.run(seed_key(seed)), prepared.stops)
 
 
@@ -83,4 +83,4 @@ def stream(target: Model, prompts, *, rounds_per_chunk: int = 1, seed: int = 0, 
   key = seed_key(arguments.check_seed(seed))
   given = params_lib.resolve(settings, "stream", sampling=sampling, stopping=stopping,
                              speculation=speculation, output=output)
-  return Stream(target, prepare(target, prompts, mesh=mesh, **given.flat()), key, rounds)
+  return Stream(target, prepare_resolved(target, prompts, given, mesh), key, rounds)

@@ -138,11 +138,6 @@ class Params:
   speculation: SpeculationParams = SpeculationParams()
   output: OutputParams = OutputParams()
 
-  def flat(self) -> dict[str, Any]:
-    """Every field by name, as flat keywords."""
-    return {f.name: getattr(group, f.name) for group in
-            (self.sampling, self.stopping, self.speculation, self.output)
-            for f in dataclasses.fields(group)}
 
 
 def resolve(flat: dict[str, Any], caller: str = "generate", **groups) -> Params:
@@ -160,7 +155,7 @@ def resolve(flat: dict[str, Any], caller: str = "generate", **groups) -> Params:
     elif not isinstance(given, cls):
       raise ValueError(f"{name}= must be a specjax.{cls.__name__}, got {type(given).__name__}")
     mine = {k: v for k, v in flat.items() if FIELDS[k] == name}
-    twice = sorted(k for k in mine if _changed(given, cls, k))
+    twice = sorted(k for k in mine if _changed(getattr(given, k), _DEFAULTS[k]))
     if twice:
       raise ValueError(f"{twice} given both as keywords and in {name}=; give each once")
     out[name] = dataclasses.replace(given, **mine) if mine else given
@@ -169,9 +164,11 @@ def resolve(flat: dict[str, Any], caller: str = "generate", **groups) -> Params:
   return Params(**out)
 
 
-def _changed(group, cls, name) -> bool:
-  """The group sets `name` to other than its default (compared by identity, then ==)."""
-  value, default = getattr(group, name), getattr(cls(), name)
+_DEFAULTS = {f.name: f.default for cls in GROUPS.values() for f in dataclasses.fields(cls)}
+
+
+def _changed(value, default) -> bool:
+  """A group's field set to other than its default (compared by identity, then ==)."""
   if value is default:
     return False
   try:

@@ -144,13 +144,17 @@ def prepare(target: Model, prompts, *, mesh=None, sampling=None, stopping=None,
   keywords, and its mesh."""
   given = params_lib.resolve(flat, "prepare", sampling=sampling, stopping=stopping,
                              speculation=speculation, output=output)
-  mesh = arguments.check_mesh(mesh)
-  prepared = build(target, prompts, given)
+  return prepare_resolved(target, prompts, given, mesh)
+
+
+def prepare_resolved(target: Model, prompts, given: params_lib.Params, mesh=None) -> Prepared:
+  """`prepare` from settings already sorted into their groups (`params.resolve`)."""
+  mesh = arguments.check_mesh(mesh)  # before anything is timed (gamma_policy='ledger')
+  prepared = _on_one_device(target, prompts, given)
   return prepared if mesh is None else distribute(prepared, mesh)
 
 
-def build(target: Model, prompts, given: params_lib.Params) -> Prepared:
-  """`prepare` on one device, from resolved settings."""
+def _on_one_device(target: Model, prompts, given: params_lib.Params) -> Prepared:
   smp, stop, spec, out = given.sampling, given.stopping, given.speculation, given.output
   if not isinstance(target, Model):
     kind = "a draft head" if isinstance(target, heads_lib.Head) else type(target).__name__

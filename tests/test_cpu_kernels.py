@@ -1,7 +1,7 @@
 """specjax's few-row CPU kernels compute XLA's products, and a forward over their layout
 (the CPU backend's) is the forward."""
 
-import contextlib
+import dataclasses
 import re
 import os
 import subprocess
@@ -20,6 +20,7 @@ from specjax import decode as decode_lib
 from specjax.backends.cpu import kernels as cpu_kernels
 from specjax.models import kv_cache
 from specjax.models import layers
+from specjax.prepare import prepare
 from specjax.models import model as model_lib
 from conftest import tiny_model
 
@@ -27,13 +28,10 @@ from conftest import tiny_model
 CPU = backends.CpuBackend()  # the default options
 
 
-@contextlib.contextmanager
-def engine_options(**options):
-  """`generate`'s engines with these `backends.Options` (generate takes none itself)."""
-  real = decode_lib.Engine
-  make = lambda *a, **k: real(*a, backend_options=backends.Options(**options), **k)
-  with mock.patch.object(decode_lib, "Engine", make):
-    yield
+def with_options(prepared, **options):
+  """`prepared` on an engine with these `backends.Options` (generate takes none itself)."""
+  return dataclasses.replace(prepared, engine=dataclasses.replace(
+      prepared.engine, backend_options=backends.Options(**options)))
 
 
 def _rand(key, shape):
@@ -418,11 +416,11 @@ class LayoutTest(parameterized.TestCase):
     runs = {}
     for bf16 in (True, False):
       decode_lib._LAYOUTS.clear()
-      with engine_options(bf16_panels=bf16):
-        runs[bf16] = [specjax.generate(target, [[1, 2, 3], [4, 5]], max_new_tokens=8,
-                                       gamma=3, **kw).tokens
-                      for kw in (dict(drafter="model", draft=draft),
-                                 dict(drafter="eagle", draft=head))]
+      runs[bf16] = []
+      for kw in (dict(drafter="model", draft=draft), dict(drafter="eagle", draft=head)):
+        p = with_options(prepare(target, [[1, 2, 3], [4, 5]], max_new_tokens=8, gamma=3,
+                                 eos_id=None, **kw), bf16_panels=bf16)
+        runs[bf16].append(p.run(jax.random.PRNGKey(0)).tokens.tolist())
         self.assertEqual(kinds(list(decode_lib._LAYOUTS.values())[-1][1]),
                          {"bfloat16" if bf16 else "float32"})
     decode_lib._LAYOUTS.clear()
@@ -489,18 +487,16 @@ class LayoutTest(parameterized.TestCase):
 
 class BackendTest(parameterized.TestCase):
 
-  def test_the_options_are_the_engines_and_part_of_the_programs_key(self):
+  @parameterized.parameters(([0.0],), ([0.0, 1.0],))
+  def test_the_options_are_the_engines_and_part_of_the_programs_key(self, temperature):
     # An engine with the kernels off compiles a program of its own, without them (no
     # cache to clear: the options are a static field of the jit's key), and the same
-    # greedy tokens.
-    import dataclasses
-    from specjax import generation
+    # tokens. Mixed temperatures keep the rule's conditional (`sampling.Paths`), whose
+    # branches jax caches by function: they must not carry the kernels' trace along.
     target = tiny_model(**CONFIGS["llama_gqa"], seed=3)
-    prepared = generation.prepare(target, [[1, 2, 3]], max_new_tokens=4, temperature=0.0,
-                                  top_k=0, top_p=1.0, eos_id=None)
-    off = dataclasses.replace(prepared, engine=dataclasses.replace(
-        prepared.engine, backend_options=backends.Options(kernels=False)))
-    self.assertNotEqual(hash(off.engine), hash(prepared.engine))
+    prepared = prepare(target, [[1, 2, 3]] * len(temperature), max_new_tokens=4,
+                       temperature=temperature, eos_id=None)
+    off = with_options(prepared, kernels=False)
     hlo = {name: decode_lib.decode.lower(
                p.engine, p.prompt_width, p.cache_size, p.laid_out, p.tokens, p.prompt_len,
                p.sampling, jax.random.PRNGKey(0)).as_text()
@@ -521,6 +517,10 @@ class BackendTest(parameterized.TestCase):
       backends.set_default_options({"kernels": False})
 
   def test_off_a_cpu_the_xla_backend_runs_the_models_own_ops(self):
+    with mock.patch.object(jax, "default_backend", return_value="gpu"):
+      self.assertIs(type(backends.select()), backends.Backend)
+      self.assertTrue(backends.select(whole_rows=True).whole_rows)
+    self.assertIs(type(backends.select()), backends.CpuBackend)  # here, a CPU
     xla = backends.Backend()
     x = _rand(20, (3, 32))
     self.assertIs(xla.layout(x), x)

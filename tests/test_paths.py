@@ -51,6 +51,9 @@ def test_paths_of_host_settings():
   assert Paths.of([0.0, 1.0], [0, 3], 1.0).greedy is None  # mixed rows
   assert Paths.of(1.0, 0, [1.0, 0.9]).filters
   assert Paths.of(1.0, [3, 200], 1.0).deep_top_k and not Paths.of(1.0, 3, 1.0).deep_top_k
+  # With history-dependent processors only an all-greedy batch is claimed.
+  assert Paths.of(1.0, 0, 1.0, adjusts=True) == Paths()
+  assert Paths.of(0.0, 0, 1.0, adjusts=True).greedy
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [

@@ -16,6 +16,7 @@ of the models only their config (duck-typed).
 from __future__ import annotations
 
 import contextlib
+import functools
 import contextvars
 
 import jax
@@ -76,3 +77,15 @@ def use(backend: Backend):
     yield backend
   finally:
     _CURRENT.reset(token)
+
+
+def traced_on(backend_of):
+  """A decorator: fn traced inside `use(backend_of(*args, **kwargs))`, the backend its
+  caller's static arguments name (`decode`'s engine), wherever it is called from."""
+  def wrap(fn):
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+      with use(backend_of(*args, **kwargs)):
+        return fn(*args, **kwargs)
+    return run
+  return wrap

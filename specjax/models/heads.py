@@ -142,7 +142,7 @@ class EagleHead(_Readout):
 
     -> (predicted f_{t+1} [B, T, d], logits for x_{t+2} [B, T, V], new (k, v) or None).
     at int[B]: only slot at[b] of each row is read (T becomes 1 in both outputs), and
-    only slots up to max(at) are computed where the layer runs fused (`Block._fused`).
+    only slots up to max(at) are computed where the layer runs fused (`Block.fused`).
     """
     x = jnp.concatenate([self.feature_norm(features.astype(self.feature_norm.scale.dtype)),
                          self.token_norm(self.embed(next_tokens))], axis=-1)

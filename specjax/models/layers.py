@@ -120,9 +120,8 @@ def _weighted_cache(weights, v_buf, values_left=False):
 
   For one new token XLA:CPU emits the plain product as a transposed copy of the masked
   V cache for every layer and step, then a matrix-vector dot. Written as Vᵀ·w, summed
-  over the slots with V on the left, it reads the cache as it lies: the shipped target's
-  1-token step takes 0.75-0.95x as long (docs/CPU_VERIFY.md, "The 1-token step without
-  the transposed V copy"). A pass of more tokens runs a general multiply either way, and
+  over the slots with V on the left, it reads the cache as it lies, and the 1-token step
+  is shorter (docs/ARCHITECTURE.md, "Why a step costs what it does"). A pass of more tokens runs a general multiply either way, and
   keeps the plain product.
   """
   b, k, g, t, s = weights.shape

@@ -237,7 +237,7 @@ def head_logits(x, embed: Embed, final_norm, lm_head: Dense | None, fused: bool,
   head's product (`Backend.head`), on the first `live` positions of x [B, T, d]."""
   backend = backends.current()
   head = (embed.embedding if lm_head is None else lm_head.kernel)[...]
-  if (fused and backend.options.fused_layers and backend.laid_out(head)
+  if (fused and backend.laid_out(head)
       and isinstance(final_norm, nnx.RMSNorm)
       and (lm_head is None or lm_head.bias is None)):
     return backend.head(x, head, final_norm.scale[...], final_norm.epsilon, live)
@@ -305,30 +305,19 @@ def forward_cached(graphdef, params: Params, tokens: jax.Array, kv: kv_cache.KVS
 
 
 def runs_fused(graphdef, params: Params, kv: kv_cache.KVState, tokens: int,
-               backend: backends.Backend | None = None) -> bool:
+               backend: backends.Backend) -> bool:
   """Whether a cached pass of `tokens` tokens runs its layers in the backend's own calls
-  (`Block.fused`; default: `backends.current`), and so computes only the `live` tokens
-  it is given."""
+  (`Block.fused`), and so computes only the `live` tokens it is given."""
   block = merge(graphdef, params).blocks[0]
-  return bool(block.fused(backend or backends.current(), (kv.k[0], kv.v[0], kv.length),
-                          None, tokens))
+  return bool(block.fused(backend, (kv.k[0], kv.v[0], kv.length), None, tokens))
 
 
-def _forward_on(graphdef, params, tokens, hidden=False, backend=None):
-  with backends.use(backend or backends.select()):
-    return forward(graphdef, params, tokens, hidden)
-
-
-def _forward_cached_on(graphdef, params, tokens, kv, empty=False, hidden=False,
-                       backend=None):
-  with backends.use(backend or backends.select()):
-    return forward_cached(graphdef, params, tokens, kv, empty, hidden)
-
-
-# The jitted forwards run on `backend` (static; None: `backends.select()`'s defaults).
-forward_jit = jax.jit(_forward_on, static_argnums=0, static_argnames=("hidden", "backend"))
-forward_cached_jit = jax.jit(_forward_cached_on, static_argnums=0,
-                             static_argnames=("empty", "hidden", "backend"))
+# The jitted forwards run on the process's default backend (`backends.select()`), also
+# when called inside another `backends.use`: their cache key names no backend.
+_on_default = backends.traced_on(lambda *args, **kwargs: backends.select())
+forward_jit = jax.jit(_on_default(forward), static_argnums=0, static_argnames=("hidden",))
+forward_cached_jit = jax.jit(_on_default(forward_cached), static_argnums=0,
+                             static_argnames=("empty", "hidden"))
 
 
 def count_params(params: Params) -> int:

@@ -38,11 +38,17 @@ class Paths:
   deep_top_k: bool | None = None
 
   @classmethod
-  def of(cls, temperature, top_k, top_p) -> "Paths":
+  def of(cls, temperature, top_k, top_p, adjusts: bool = False) -> "Paths":
+    """adjusts: history-dependent processors change the logits. Then only an all-greedy
+    batch is claimed: with penalties up to 1e30 in the logits, the sampled path compiled
+    without its conditionals gave NaN rows on XLA:CPU (its cause not found; the same
+    logits processed alone do not), so it stays as traced as before."""
     t, k, p = (np.asarray(x) for x in (temperature, top_k, top_p))
     greedy = True if np.all(t <= 0) else (False if np.all(t > 0) else None)
     if greedy:  # a one-hot argmax: no filter runs
       return cls(greedy=True, filters=False, deep_top_k=False)
+    if adjusts:
+      return cls()
     return cls(greedy=greedy, filters=bool(np.any(k > 0) or np.any(p < 1)),
                deep_top_k=bool(np.any(k > _HEAD)))
 
@@ -83,7 +89,7 @@ class Sampling:
         top_p=row(top_p, np.float32), max_new=row(max_new, np.int32),
         stop_seqs=np.asarray(stop_seqs, np.int32), stop_lens=np.asarray(stop_lens, np.int32),
         procs=procs if pcfg.active else None, pcfg=pcfg,
-        paths=Paths.of(temperature, top_k, top_p))
+        paths=Paths.of(temperature, top_k, top_p, pcfg.adjusts))
     if repeat > 1:
       host = map_rows(host, lambda x: np.repeat(np.asarray(x), repeat, 0))
     # Calls with the same settings share their device arrays (immutable): the transfer
@@ -112,14 +118,8 @@ class Sampling:
 
   def process(self, logits: jax.Array, history=None, banned=None) -> jax.Array:
     """logits [B, ..., V] -> the distributions sampled from (processors need [B, V])."""
-    paths = self.paths
-    if self.pcfg.adjusts and history is not None and not paths.greedy:
-      # With penalties up to 1e30 in the logits, the sampled path compiled straight
-      # (no conditional) gave NaN rows on XLA:CPU where the conditional's did not
-      # (tests/test_generate.py, processors at their limit): kept traced there.
-      paths = Paths()
     return process_logits(self.adjust(logits, history, banned), self.temperature,
-                          self.top_k, self.top_p, paths)
+                          self.top_k, self.top_p, self.paths)
 
   def advance(self, history, token):
     """The history after appending token int32[B] (None stays None)."""

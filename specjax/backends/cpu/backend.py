@@ -35,11 +35,10 @@ class CpuBackend(Backend):
 
   # --- the weights' layout -------------------------------------------------------
 
-  def layout(self, params, bf16: bool = False):
+  def layout(self, params):
     """Every float32 Dense kernel [K, N] as panels [N / 16, K, 16] (`kernels.pack`), and a
     tied embedding as panels of its transpose; params unchanged without the kernels.
-    bf16: bfloat16 panels (`kernels.pack_bf16`), exact only where every packed weight
-    is a bfloat16 value (`host_layout` checks).
+    (`host_layout` lays out bfloat16 panels where that is exact.)
 
     Call it inside the compiled program, once, outside any loop (`decode.decode`): the
     panels are a copy of the weights, laid out per call; XLA would not hoist it out of
@@ -47,7 +46,7 @@ class CpuBackend(Backend):
     """
     if not self.kernels:
       return params
-    return _layout(params, bf16)
+    return _layout(params, False)
 
   def host_layout(self, params):
     """`layout` of params before a compiled call: in bfloat16 panels where every weight
@@ -76,9 +75,9 @@ class CpuBackend(Backend):
     XLA:CPU multiplies one row by a weight matrix with a streaming matrix-vector kernel
     and two or more rows with a general matrix multiply (YNNPACK) that packs the weights
     on every call. A forward visits every weight once, so they arrive cold: one
-    matrix-vector pass brings them into cache and the next rows find them there. On the
-    shipped target this made a 2..9-token verify pass 0.6-0.8x as long (the 1-token step
-    is unchanged). Each row gets the same dot as a 1-token step.
+    matrix-vector pass brings them into cache and the next rows find them there, which
+    shortens a few-token verify pass (docs/ARCHITECTURE.md, "Why a step costs what it
+    does"). Each row gets the same dot as a 1-token step.
     """
     rows = int(np.prod(x.shape[:-1]))
     if not self.rows_apart(rows):
@@ -88,13 +87,13 @@ class CpuBackend(Backend):
     return out.reshape(x.shape[:-1] + out.shape[-1:])
 
   def dense(self, x, kernel, bias, plain):
-    if kernel.ndim == 3:
+    if self.laid_out(kernel):
       y = panel_product(x, kernel)
       return y if bias is None else y + bias
     return self.rowwise(plain, x)
 
   def lookup(self, table, tokens, plain):
-    if table.ndim == 3:  # panels [V / 16, d, 16]: token t is column t % 16 of panel t // 16
+    if self.laid_out(table):  # panels [V / 16, d, 16]: token t is column t % 16 of panel t // 16
       return kern.panel_lookup(table, tokens)
     return plain(tokens)
 
@@ -115,7 +114,7 @@ class CpuBackend(Backend):
     promises it), so ignoring read_cache=False reads nothing."""
     opts = self.options
     return (opts.fused_layers and cache is not None and mask is None
-            and tokens <= opts.fused_max_tokens and qkv_kernel.ndim == 3
+            and tokens <= opts.fused_max_tokens and self.laid_out(qkv_kernel)
             and cache[0].dtype == jnp.float32 and cfg.position == "rope"
             and cfg.qkv_groups == 1 and not cfg.qk_norm and cfg.head_dim % 8 == 0)
 
@@ -130,7 +129,7 @@ class CpuBackend(Backend):
     return (self.fuses_attention(cfg, weights.qkv, cache, mask, tokens)
             and cfg.norm == "rmsnorm" and cfg.mlp == "swiglu" and cfg.mlp_groups == 1
             and not (cfg.qkv_bias or cfg.out_bias or cfg.mlp_bias)
-            and all(w.ndim == 3 for w in (weights.out, weights.up, weights.down)))
+            and all(map(self.laid_out, (weights.out, weights.up, weights.down))))
 
   def block(self, cfg, weights: LayerWeights, x, cos, sin, cache, live=None):
     """A layer as five calls: norm + qkv, RoPE + attention + KV write, out + residual,
@@ -185,9 +184,8 @@ class CpuBackend(Backend):
 def panel_product(x, panels):
   """x [..., K] times the [K, N] weight laid out as `panels` -> float32 [..., N].
 
-  specjax's kernel for any number of rows: a prefill too (64 rows of a 256 x 1408
-  product: 0.59x the time of XLA's multiply over the panels, 0.82x of its multiply over
-  the weights as they lie).
+  specjax's kernel for any number of rows: a prefill too (faster there than XLA's
+  multiply over the panels or over the weights as they lie).
   """
   rows = int(np.prod(x.shape[:-1]))
   y = kern.panel_matmul(x.reshape(rows, x.shape[-1]).astype(jnp.float32), panels)

@@ -3,7 +3,7 @@
 // verify pass. XLA:CPU multiplies 2..9 rows with a general multiply that repacks the
 // weights on every call; these read each weight element once and use it for every row
 // while it sits in a register, so a few more rows cost their arithmetic and little
-// else (docs/ARCHITECTURE.md, "Why the verify pass costs what it does on a CPU").
+// else (docs/ARCHITECTURE.md, "Why a step costs what it does").
 //
 //   SpecjaxPanelMatmul: W in panels, wp[N / 16, K, 16] (`kernels.pack`): a panel's
 //     16 columns are contiguous for every k, so it is read as one sequential stream (W

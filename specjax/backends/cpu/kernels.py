@@ -2,9 +2,9 @@
 
 A decode step multiplies 1 row by each weight matrix, a verify pass γ+1 rows. XLA:CPU
 runs one row as a matrix-vector product and 2..9 rows as a general multiply that
-repacks the weights on every call, so on the shipped target a 5-token pass cost 2-3
-1-token steps although its extra arithmetic is a fraction of one
-(docs/ARCHITECTURE.md, "Why the verify pass costs what it does on a CPU"). These
+repacks the weights on every call, so a few-token pass cost several 1-token steps
+although its extra arithmetic is a fraction of one (docs/ARCHITECTURE.md, "Why a step
+costs what it does"). These
 kernels read each weight element once, from panels laid out once per call by `pack`,
 and use it for every row; the columns are split between the calling thread and one
 XLA pool thread. `cached_attention` does the same for attention over the KV cache: it
@@ -191,9 +191,9 @@ def _require():
 # alone: waking a pool thread costs more than it saves (the draft's). Read when traced.
 PARALLEL_MIN_WORK = 1 << 16
 # Products over at least this many bytes of panels prefetch their weights 4 KiB ahead
-# (`fewrow.cc` PanelRows): a matrix this large comes from memory, where that made 3-9
-# rows 15-25% faster; over weights that stay in the L3 (the shipped pair, 1 MiB at
-# most) it made them slower (docs/CPU_VERIFY.md, "Weights from memory").
+# (`fewrow.cc` PanelRows): a matrix this large comes from memory, where prefetching made
+# a few rows faster; over weights that stay in the L3 (the shipped pair) it made them
+# slower (measured in the work recorded in git as docs/CPU_VERIFY.md).
 PREFETCH_MIN_BYTES = 2 << 20
 
 
