@@ -2,7 +2,7 @@ r"""The speed and cost ledger: how fast is speculative decoding here, and where 
 
   python -m experiments.bench                          # --part=pair: shipped pair, batch 1 and 8
   python -m experiments.bench --part=peer              # against transformers on the same weights
-  python -m experiments.bench --part=accel --out=runs/accel           # a GPU or TPU, ~6 min
+  python -m experiments.bench --part=accel --out=runs/accel           # a GPU or TPU, within --budget_s
   python -m experiments.bench --part=accel --out=runs/accel --small   # tiny shapes, any backend
   python -m experiments.bench --part=synthetic --config=configs/bench.py --out=runs/synth
   python -m experiments.bench --part=stream --out=docs/results/stream.json
@@ -188,17 +188,12 @@ def _write(path: str | None, result) -> None:
     Path(path).write_text(json.dumps(result, indent=2, default=str) + "\n")
 
 
-def _quartiles(xs) -> dict:
-  q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
-  return {"median": statistics.median(xs), "q1": q[0], "q3": q[2]}
-
-
 def _drafter_pair(s):
-  """The target and the drafter's model ((target, None) for prompt lookup), and the
-  generate keywords that name the drafter."""
-  draft_name = s.draft or common.DEFAULT_DRAFTS.get(s.drafter)
-  target, draft = common.load_pair(s.target, draft_name)
-  return target, draft, (dict(draft=draft) if draft is not None else dict(drafter="ngram"))
+  """`common.drafter_pair` of the part's --target, --drafter, --draft and --gamma."""
+  try:
+    return common.drafter_pair(s.target, s.drafter, s.draft, s.gamma)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
 
 
 # ----------------------------------------------------------------------------------
@@ -347,6 +342,10 @@ def part_sharding(s):
       jax.config.update("jax_num_cpu_devices", 8)
     except RuntimeError:  # a backend already started: the devices are what they are
       pass
+  if jax.device_count() < 8:
+    raise app.UsageError(f"--part=sharding needs 8 devices, this process has "
+                         f"{jax.device_count()}: set XLA_FLAGS="
+                         "--xla_force_host_platform_device_count=8 on a CPU")
   if s.rowwise_max_rows >= 0:
     backends.set_default_options(backends.Options(rowwise_max_rows=s.rowwise_max_rows))
   target, draft = common.load_pair(s.target, s.draft)
@@ -380,8 +379,8 @@ def part_stream(s):
   target, _, drafter = _drafter_pair(s)
   prompts = common.heldout_prompts(target.tokenizer, "stdlib", s.num_prompts, s.prompt_tokens)
   temperature = _one(s, "temperature")
-  kw = dict(max_new_tokens=s.max_new_tokens, temperature=temperature, gamma=s.gamma, seed=0,
-            eos_id=None, **drafter)
+  kw = dict(max_new_tokens=s.max_new_tokens, temperature=temperature, seed=0, eos_id=None,
+            **drafter)
   rows = []
   for k in s.rounds_per_chunk:
     ratios, first, chunks = [], [], []
@@ -414,8 +413,8 @@ def part_stream(s):
         ratios.append(times["stream"] / times["generate"])
         first.append(times["first"] / times["generate"])
         chunks.append(times["chunks"])
-    row = dict(rounds_per_chunk=k, stream_over_generate=_quartiles(ratios),
-               first_chunk_share=_quartiles(first), chunks=statistics.median(chunks),
+    row = dict(rounds_per_chunk=k, stream_over_generate=common.quartiles(ratios),
+               first_chunk_share=common.quartiles(first), chunks=statistics.median(chunks),
                drafter=s.drafter, gamma=s.gamma, temperature=temperature,
                calls=len(ratios), machine=costs.machine_info())
     rows.append(row)
@@ -470,8 +469,7 @@ def part_samples(s):
   target, _, drafter = _drafter_pair(s)
   prompts = common.heldout_prompts(target.tokenizer, "stdlib", s.num_prompts, s.prompt_tokens)
   temperature = _one(s, "temperature")
-  kw = dict(max_new_tokens=s.max_new_tokens, temperature=temperature, gamma=s.gamma,
-            eos_id=None, **drafter)
+  kw = dict(max_new_tokens=s.max_new_tokens, temperature=temperature, eos_id=None, **drafter)
   row = dict(samples=s.samples, prompt_tokens=s.prompt_tokens,
              max_new_tokens=s.max_new_tokens, drafter=s.drafter, gamma=s.gamma,
              temperature=temperature,
@@ -491,11 +489,10 @@ def part_samples(s):
 
 
 def part_calls(s):
-  target, draft, _ = _drafter_pair(s)
+  target, draft, spec = _drafter_pair(s)
   prompts = common.heldout_prompts(target.tokenizer, "stdlib", s.num_prompts, s.prompt_tokens)
   temperature = _one(s, "temperature")
   base = dict(max_new_tokens=s.max_new_tokens, temperature=temperature, eos_id=None)
-  spec = dict(drafter=s.drafter, gamma=s.gamma, **(dict(draft=draft) if draft else {}))
   variants = {}
   for item in s.variants:
     name, _, args = item.partition("=")
@@ -505,9 +502,8 @@ def part_calls(s):
     # A 'ledger' variant with no draft_cost gets (c, v(γ)) measured once here.
     if kw.get("gamma_policy") == "ledger" and "draft_cost" not in kw:
       if measured is None:
-        prepared = costs._prepare(target, prompts[:1], dict(base, **spec))
-        sc = costs.step_costs(target, prepared.engine.drafter, prepared.weights.draft, 1,
-                              s.prompt_tokens, temperature=temperature)
+        sc = common.step_costs(target, draft, s.drafter, s.gamma, 1, s.prompt_tokens,
+                               temperature=temperature)
         measured = (sc["c"], sc["v"])
         print(f"measured c {measured[0]:.3f}, v({s.gamma}) {measured[1]:.2f}")
       kw["draft_cost"] = measured

@@ -34,7 +34,6 @@ from absl import app, flags
 from experiments import common
 from specjax import rng
 from specjax import costs
-from specjax import arguments
 from specjax import prepare as prepare_lib
 from specjax import ledger
 from specjax.models import heads
@@ -129,8 +128,8 @@ def measure_pair(target_name: str, draft_name: str, num_windows: int, seq_len: i
   card["pair"] = train_lib.acceptance_rate(target, draft, windows)
   # The one definition of c (costs.step_costs): a whole draft proposal (sampling
   # included, T = 1) per drafted token over a 1-token target step.
-  drafter = arguments.make_drafter(target, draft, "model", COST_GAMMA, "probabilistic", 1, 4)
-  c = costs.step_costs(target, drafter, draft.params, 1, COST_CONTEXT, temperature=1.0)["c"]
+  c = common.step_costs(target, draft, "model", COST_GAMMA, 1, COST_CONTEXT,
+                        temperature=1.0)["c"]
   predictions = {}
   for gamma in range(1, max_gamma + 1):
     v = card["target"][f"pass_{gamma + 1}_tokens_ms"] / card["target"]["step_ms"]

@@ -64,6 +64,18 @@ def load_pair(target_name: str, draft_name: str | None, dtype=jnp.float32):
   return target, draft
 
 
+def drafter_pair(target_name: str, drafter: str, draft_name: str | None, gamma: int):
+  """The target, the drafter's model or head (None for prompt lookup; by default the
+  shipped one), and the generate keywords that name the drafter, its draft and γ."""
+  if drafter == "ngram" and draft_name:
+    raise ValueError(f"--drafter=ngram drafts from the context: drop --draft={draft_name}")
+  if drafter != "ngram":
+    draft_name = draft_name or DEFAULT_DRAFTS[drafter]
+  target, draft = load_pair(target_name, draft_name if drafter != "ngram" else None)
+  kw = dict(drafter=drafter, gamma=gamma, **({} if draft is None else {"draft": draft}))
+  return target, draft, kw
+
+
 def refuse_flags(names, why: str) -> None:
   """An app's flags that the chosen part does not read: set, they are a mistake to name."""
   for name in names:
@@ -206,7 +218,8 @@ def markdown_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str
   return "\n".join(lines)
 
 
-def _quartiles(values) -> dict:
+def quartiles(values) -> dict:
+  """Median and quartiles (linear interpolation) of a list of ratios."""
   return {"median": statistics.median(values), "q1": float(np.percentile(values, 25)),
           "q3": float(np.percentile(values, 75))}
 
@@ -240,11 +253,11 @@ def compare_calls(target, prompts, base: dict, variants: dict[str, dict],
         times[name].append(time.perf_counter() - start)
   for name in sides:
     out[name]["call_s"] = statistics.median(times[name])
-    out[name]["speedup"] = _quartiles([b / t for b, t in zip(times["target-only"],
+    out[name]["speedup"] = quartiles([b / t for b, t in zip(times["target-only"],
                                                                times[name])])
   first = names[1] if len(names) > 1 else None
   for name in names[2:]:
-    out[name]["against_first"] = _quartiles([a / t for a, t in zip(times[first],
+    out[name]["against_first"] = quartiles([a / t for a, t in zip(times[first],
                                                                      times[name])])
   return out
 
@@ -289,5 +302,5 @@ def compare_samples(target, prompts, n: int, kw: dict, repeats: int) -> dict:
       t_prefill = time.perf_counter() - start
       shares.append(t_prefill / times["repeated"][-1])
   return dict(call_s={k: statistics.median(v) for k, v in times.items()},
-              repeated_over_n=_quartiles(ratios),
-              prefill_share_of_repeated=_quartiles(shares), calls=len(ratios))
+              repeated_over_n=quartiles(ratios),
+              prefill_share_of_repeated=quartiles(shares), calls=len(ratios))

@@ -43,6 +43,10 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Where results go.", required=Tr
 flags.register_validator("workdir", lambda d: d is None or bool(d.strip()),
                          "--workdir must name a directory (empty: the current one)")
 
+class SweepError(ValueError):
+  """A config, workdir or grid point the sweep refuses: `main` prints it as one line."""
+
+
 GRID_FIELDS = ("drafter", "gamma", "temperature", "top_p", "batch_size")
 # Processor axes: neutral values mean off; rows written before they existed read as off.
 PROCESSOR_FIELDS = {"repetition_penalty": 1.0, "presence_penalty": 0.0,
@@ -62,7 +66,7 @@ def validate(cfg) -> None:
   """Fails at once, naming the field, before any model is loaded."""
 
   def fail(field, message):
-    raise ValueError(f"config.{field}: {message} (got {cfg[field]!r})")
+    raise SweepError(f"config.{field}: {message} (got {cfg[field]!r})")
 
   for field in GRID_FIELDS + tuple(PROCESSOR_FIELDS):
     if not isinstance(cfg[field], (tuple, list)) or not cfg[field]:
@@ -84,7 +88,7 @@ def validate(cfg) -> None:
   for r in cfg.verify_rule:
     if r not in ("exact", "typical", "threshold"):
       fail("verify_rule", "the sweep runs 'exact', 'typical' and 'threshold' (with their "
-           "default settings; 'synthetic' is experiments.bench_synthetic's)")
+           "default settings; 'synthetic' is experiments.bench --part=synthetic's)")
   if "confidence" in cfg.gamma_policy and not 0 < cfg.draft_confidence < 1:
     fail("draft_confidence", "must be in (0, 1)")
   for d in cfg.drafter:
@@ -145,7 +149,7 @@ def _check_heads(cfg, heads: dict, check) -> None:
     try:
       check(head)
     except ValueError as e:
-      raise ValueError(f"{e}. The sweep's drafters include {kind!r} with "
+      raise SweepError(f"{e}. The sweep's drafters include {kind!r} with "
                        f"{kind}_head={cfg[f'{kind}_head']!r}: name a head trained on "
                        f"{cfg.target!r} (--config.{kind}_head=DIR) or leave {kind!r} out "
                        f"of --config.drafter") from None
@@ -216,7 +220,7 @@ def read_rows(path: Path, repair: bool = False) -> list[dict]:
           tmp.write_text("".join(line + "\n" for line in lines[:i]))
           tmp.replace(path)
         continue
-      raise ValueError(f"{path}, line {i + 1}: not a JSON row ({e}); move the file "
+      raise SweepError(f"{path}, line {i + 1}: not a JSON row ({e}); move the file "
                        "away or use another --workdir") from None
   return rows
 
@@ -231,7 +235,7 @@ def _check_writable(workdir: Path) -> None:
     probe.write_bytes(b"")
     probe.unlink()
   except OSError as e:
-    raise ValueError(f"--workdir {workdir} cannot be written ({e.strerror or e}): use "
+    raise SweepError(f"--workdir {workdir} cannot be written ({e.strerror or e}): use "
                      "another --workdir") from None
   finally:
     for path in missing:
@@ -249,24 +253,24 @@ def check_workdir(cfg, workdir: Path) -> None:
   # The nearest folder that exists must be one: mkdir would fail only once models load.
   there = next(p for p in (workdir, *workdir.parents) if p.exists())
   if not there.is_dir():
-    raise ValueError(f"--workdir {workdir}: {there} is a file, not a directory")
+    raise SweepError(f"--workdir {workdir}: {there} is a file, not a directory")
   for path in (saved_path, results):
     if path.exists() and not path.is_file():
-      raise ValueError(f"--workdir {workdir}: {path} is not a file: use another --workdir")
+      raise SweepError(f"--workdir {workdir}: {path} is not a file: use another --workdir")
   _check_writable(workdir)
   rows = read_rows(results)
   if not saved_path.exists():
     if rows:
-      raise ValueError(f"{results} has rows but {saved_path} is missing, so the settings "
+      raise SweepError(f"{results} has rows but {saved_path} is missing, so the settings "
                        "they were measured under are unknown: use another --workdir")
     return
   try:
     saved = json.loads(saved_path.read_text())
   except (ValueError, OSError) as e:
-    raise ValueError(f"{saved_path} is not readable JSON ({e}): use another --workdir") from None
+    raise SweepError(f"{saved_path} is not readable JSON ({e}): use another --workdir") from None
   now = json.loads(json.dumps(cfg.to_dict()))
   if not isinstance(saved, dict) or not {"drafter", "gamma", "target"} <= set(saved):
-    raise ValueError(f"{saved_path} is not a sweep's config (another job's workdir?): "
+    raise SweepError(f"{saved_path} is not a sweep's config (another job's workdir?): "
                      "use another --workdir")
   if not rows:  # a run stopped before its first row: nothing measured, config.json rewritten
     return
@@ -275,23 +279,25 @@ def check_workdir(cfg, workdir: Path) -> None:
                   if k not in grid and saved.get(k) != now.get(k))
   if differ:
     listed = "; ".join(f"{k}: {saved.get(k)!r} there, {now.get(k)!r} now" for k in differ)
-    raise ValueError(f"{workdir} holds a sweep measured with other settings ({listed}); "
+    raise SweepError(f"{workdir} holds a sweep measured with other settings ({listed}); "
                      "its rows would be reported as this config's. Use another --workdir, "
                      "or set those fields as they were (grid fields may grow)")
   # config.json is rewritten with this config's grid, so it must still hold every value
-  # the rows there were measured at: a grid may grow, not lose values.
+  # a row there was measured at: a grid may drop values no row has, never one a row has.
   dropped = {}
   for k in sorted(grid):
-    # A config written before a processor axis existed measured it off; no trees: none.
-    there = saved.get(k, [PROCESSOR_FIELDS[k]] if k in PROCESSOR_FIELDS else [])
     here = {_grid_value(k, v) for v in now.get(k) or []}
-    if any(_grid_value(k, v) not in here for v in there or []):  # the union, old first
-      had = {_grid_value(k, v) for v in there}
-      dropped[k] = list(there) + [v for v in now.get(k) or [] if _grid_value(k, v) not in had]
+    key, off = ("tree", None) if k == "trees" else (k, PROCESSOR_FIELDS.get(k))
+    measured = (row.get(key, off) for row in rows)
+    missing = {_grid_value(k, v): v for v in measured
+               if not (k == "trees" and v is None) and _grid_value(k, v) not in here}
+    if missing:
+      dropped[k] = list(now.get(k) or []) + list(missing.values())
   if dropped:
-    listed = "; ".join(f"{k}: {saved.get(k)!r} there, {now.get(k)!r} now" for k in dropped)
+    listed = "; ".join(f"{k}: {v[len(now.get(k) or []):]!r} measured, {now.get(k)!r} now"
+                       for k, v in dropped.items())
     flags_out = " ".join(f"--config.{k}='{_as_tuple(v)}'" for k, v in dropped.items())
-    raise ValueError(f"{workdir} holds rows measured at grid values this config leaves out "
+    raise SweepError(f"{workdir} holds rows measured at grid values this config leaves out "
                      f"({listed}); its config.json would no longer describe them. Use "
                      f"another --workdir, or keep those values (only the new points run): "
                      f"{flags_out}")
@@ -315,7 +321,7 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
     try:
       corpus = data_lib.load_corpus(cfg.corpus)
     except ValueError as e:
-      raise ValueError(f"config.corpus: {e}") from None
+      raise SweepError(f"config.corpus: {e}") from None
   results_path = workdir / "results.jsonl"
   rows = read_rows(results_path, repair=True)
   done = {point_key(r) for r in rows}
@@ -337,7 +343,7 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
       found = read_config(cfg[f"{d}_head"])
       if found is not None and getattr(found, "kind", None) != d:
         what = f"a {found.kind} head" if hasattr(found, "kind") else "a model, not a head"
-        raise ValueError(f"config.{d}_head: {cfg[f'{d}_head']!r} is {what}; drafter {d!r} "
+        raise SweepError(f"config.{d}_head: {cfg[f'{d}_head']!r} is {what}; drafter {d!r} "
                          f"needs a {d} head")
   heads = {d: load_pretrained(cfg[f"{d}_head"]) for d in arguments.HEAD_DRAFTERS
            if d in cfg.drafter}
@@ -346,7 +352,7 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
     medusa = [p for p in grid if p["drafter"] == "medusa"]
     dropped = sorted({p["gamma"] for p in medusa if p["gamma"] > k})
     if medusa and len(dropped) == len({p["gamma"] for p in medusa}):
-      raise ValueError(f"config.gamma: the Medusa head {cfg.medusa_head!r} has {k} heads, so "
+      raise SweepError(f"config.gamma: the Medusa head {cfg.medusa_head!r} has {k} heads, so "
                        f"it drafts at most {k} tokens; every Medusa γ or tree depth in "
                        f"{dropped} is larger")
     if dropped:
@@ -371,16 +377,16 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
   _check_heads(cfg, heads, lambda head: head.check_target(target))  # and the weights'
   named = "the target in models=" if models is not None else f"target {cfg.target!r}"
   if prompts is None and target.tokenizer is None:
-    raise ValueError(f"{named} has no tokenizer: prompts come from text")
+    raise SweepError(f"{named} has no tokenizer: prompts come from text")
   eos_ids = list(target.eos_ids or [])
   if cfg.stop_at_eos and not eos_ids:
-    raise ValueError(f"config.stop_at_eos: {named} names no end-of-text token to stop at; "
+    raise SweepError(f"config.stop_at_eos: {named} names no end-of-text token to stop at; "
                      "set --config.stop_at_eos=False")
   if prompts is None:
     prompts = common.heldout_prompts(target.tokenizer, corpus, cfg.num_prompts,
                                      cfg.prompt_tokens, seed=cfg.seed)
   if not prompts:
-    raise ValueError("no prompts")
+    raise SweepError("no prompts")
   context = max(len(p) for p in prompts) + cfg.max_new_tokens // 2
   base = dict(max_new_tokens=cfg.max_new_tokens, top_k=cfg.top_k, seed=cfg.seed,
               eos_id=eos_ids if cfg.stop_at_eos else None)
@@ -388,7 +394,7 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
     base["mesh"] = mesh
   batches = -(-len(prompts) // min(cfg.batch_size))
   if cfg.seed + batches > 2**32:  # batch i of a point decodes with seed + i
-    raise ValueError(f"config.seed: seed + {batches} batches of prompts must stay below 2**32 "
+    raise SweepError(f"config.seed: seed + {batches} batches of prompts must stay below 2**32 "
                      f"(got {cfg.seed!r})")
   for point in todo:  # every point's arguments checked before anything is compiled
     sampling, spec = point_specs(cfg, point, base, heads, draft,
@@ -397,7 +403,7 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
       try:
         prepare(target, prompts, **{k: v for k, v in kwargs.items() if k != "seed"})
       except ValueError as e:
-        raise ValueError(f"grid point {point_key(point)}: {e}") from e
+        raise SweepError(f"grid point {point_key(point)}: {e}") from e
   _write_config(cfg, workdir)
   step_costs = {}
   machine = costs.machine_info()
@@ -547,14 +553,11 @@ def config_error(argv: list[str], error: Exception) -> str:
       cfg = module.get_config(variant) if variant else module.get_config()
     except Exception:  # noqa: BLE001  the flags' own message below is all there is
       cfg = None
-    for a in argv:
-      if not a.startswith("--config."):
-        continue
-      name = a[len("--config."):].split("=", 1)[0]
+    names = [a[len("--config."):].split("=", 1)[0] for a in argv
+             if a.startswith("--config.") and cfg is not None]
+    for name in names:
       node, parts = cfg, name.split(".")
       for i, part in enumerate(parts):
-        if cfg is None:
-          break
         where = ".".join(parts[:i])
         if not hasattr(node, "keys"):
           return (f"--config.{name}: the field {where!r} of {path} is a "
@@ -594,7 +597,7 @@ def main(argv):
   workdir = Path(_WORKDIR.value)
   try:
     rows = run_sweep(_CONFIG.value, workdir)
-  except ValueError as e:  # the sweep's messages name the field or path and the way out
+  except SweepError as e:  # the sweep's messages name the field or path and the way out
     logging.debug("the sweep stopped", exc_info=True)
     raise SystemExit(f"error: {e}") from None
   print(f"wrote {workdir / 'summary.md'} ({len(rows)} points), with results.jsonl, "

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from configs import sweep as sweep_config
+from experiments import common
 from experiments import run as run_lib
 from experiments import plots
 from conftest import tiny_model
@@ -378,3 +379,15 @@ def test_bench_refuses_a_flag_its_part_does_not_read():
       text=True, timeout=300)
   assert result.returncode != 0
   assert "--part=peer does not read --pairs" in result.stderr, result.stderr[-2000:]
+
+
+def test_bench_parts_name_the_drafter_they_time():
+  # A part's generate keywords carry its --drafter and --gamma with the draft it loaded;
+  # prompt lookup with a draft named is refused (the parts used to time the model
+  # drafter and record 'ngram').
+  _, draft, kw = common.drafter_pair("stdlib-target", "model", None, 3)
+  assert kw == dict(drafter="model", gamma=3, draft=draft) and draft is not None
+  _, draft, kw = common.drafter_pair("stdlib-target", "ngram", None, 3)
+  assert draft is None and kw == dict(drafter="ngram", gamma=3)
+  with pytest.raises(ValueError, match="--drafter=ngram drafts from the context"):
+    common.drafter_pair("stdlib-target", "ngram", "stdlib-draft", 3)
