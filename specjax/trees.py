@@ -129,3 +129,68 @@ def siblings(drafter) -> int:
   """K of the drafter's tree (its widest node's number of children); 1 for a chain."""
   tree = getattr(drafter, "tree", None)
   return 1 if tree is None else int(tree.children.shape[1])
+
+
+def best_static(nodes: int, alpha, depth: int | None = None, topk: int | None = None) -> Tree:
+  """The static tree of at most `nodes` nodes with the most tokens per target call.
+
+  Sequoia's dynamic programme (Chen et al. 2024) on the ledger's model of a tree
+  (`ledger.tree_expected_tokens`): alpha is the measured acceptance by sibling rank (a
+  try of child r accepted given that ranks < r were rejected; ranks past its end take its
+  last value), so child r of any node is the one accepted with probability
+  π_r = α_r Π_{s<r} (1 − α_s), and a tree commits 1 + Σ_nodes Π_{path} π tokens. The
+  programme picks, for every node budget m and depth left d, how many nodes each child
+  rank's subtree gets: O(topk · nodes² · depth) work, instant at a few hundred nodes.
+  `depth` bounds the tree's depth and `topk` a node's number of children (both
+  unbounded by default, that is by `nodes`).
+  """
+  if isinstance(nodes, bool) or not isinstance(nodes, (int, np.integer)) or nodes < 1:
+    raise ValueError(f"best_static needs a node budget >= 1, got {nodes!r}")
+  for name, value in (("depth", depth), ("topk", topk)):
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))
+                              or value < 1):
+      raise ValueError(f"best_static {name} must be an int >= 1 (or None), got {value!r}")
+  rates = np.atleast_1d(np.asarray(alpha, np.float64))
+  if rates.ndim != 1 or not np.all(np.isfinite(rates)) or np.any((rates < 0) | (rates > 1)):
+    raise ValueError(f"best_static alpha must be acceptance rates in [0, 1] by sibling rank, "
+                     f"got {alpha!r}")
+  nodes, depth = int(nodes), int(depth or nodes)
+  topk = min(int(topk or nodes), nodes)
+  alpha_r = np.array([rates[min(r, len(rates) - 1)] for r in range(topk)])
+  pi = alpha_r * np.concatenate([[1.0], np.cumprod(1 - alpha_r)[:-1]])
+
+  # value[d][m]: the best Σ over a node's subtrees with m nodes below it and depth <= d
+  # below; forest[d][r][m]: the same using child ranks r, r+1, ... only.
+  neg = -np.inf
+  value = [np.array([0.0] + [neg] * nodes)]
+  choice = [None]
+  for d in range(1, depth + 1):
+    forest = np.full((topk + 1, nodes + 1), neg)
+    forest[:, 0] = 0.0
+    best_k = np.zeros((topk, nodes + 1), np.int64)
+    for r in range(topk - 1, -1, -1):
+      for m in range(1, nodes + 1):
+        k = np.arange(1, m + 1)  # nodes in rank r's subtree, itself included
+        below, rest = value[d - 1][k - 1], forest[r + 1][m - k]
+        ok = np.isfinite(below) & np.isfinite(rest)  # -inf: no such subtree
+        total = np.where(ok, pi[r] * (1 + np.where(ok, below, 0)) + np.where(ok, rest, 0), neg)
+        i = int(np.argmax(total))
+        forest[r, m], best_k[r, m] = total[i], k[i]
+      forest[r, 0] = 0.0
+    value.append(forest[0])
+    choice.append(best_k)
+
+  # At most `nodes` (a node with π = 0 adds nothing); at least one, ties to the fewest.
+  m = int(np.argmax(value[depth][1:])) + 1
+  paths = []
+
+  def build(prefix, m, d, r=0):
+    while m > 0:
+      k = int(choice[d][r, m])
+      path = prefix + (r,)
+      paths.append(path)
+      build(path, k - 1, d - 1)
+      m, r = m - k, r + 1
+
+  build((), m, depth)
+  return Tree.from_paths(paths)
