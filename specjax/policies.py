@@ -176,13 +176,9 @@ def cut(n_accepted, next_token, ps, lengths, key, greedy=None):
   chain of L: that draw replaces the rule's next token; otherwise nothing changes.
   """
   from specjax.processors.sampling import argmax, sample
-  from specjax.verify.exact import point_masses
   full = n_accepted >= lengths
   p_next = jnp.take_along_axis(ps, lengths[:, None, None], axis=1)[:, 0]
   # A point mass's draw is its one token (temperature 0): no V random numbers per row.
-  top, draw = lambda: argmax(p_next).astype(jnp.int32), lambda: sample(key, p_next)
-  if greedy is None:  # `sampling.Paths.greedy` unknown: decided when run
-    bonus = jax.lax.cond(point_masses(p_next), top, draw)
-  else:
-    bonus = top() if greedy else draw()
+  # Unknown (None): a draw, which gives a point mass its token, not a conditional.
+  bonus = argmax(p_next).astype(jnp.int32) if greedy else sample(key, p_next)
   return jnp.minimum(n_accepted, lengths), jnp.where(full, bonus, next_token)

@@ -3,8 +3,10 @@
 On XLA:GPU every conditional in a while loop brings its predicate to the host each
 round (docs/ARCHITECTURE.md, "On an accelerator"). `prepare` knows on the host whether
 every row is greedy and whether any filter is on (`sampling.Paths`), so target-only and
-prompt-lookup decoding compile without one; the numbers are the ones the traced
-conditionals gave.
+prompt-lookup decoding compile without one; so do mixed-temperature batches, top-k,
+the draft-model chain and adaptive draft lengths (conditions that must stay traced run
+as the path that serves every value, or as a loop's condition); the numbers are the
+ones the traced conditionals gave.
 """
 
 import chex
@@ -31,11 +33,24 @@ def model():
   return tiny_model(vocab=16, d_model=32)
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=0.0), dict(temperature=1.0),
-                                dict(temperature=0.0, drafter="ngram", gamma=2)],
-                         ids=["target-T0", "target-T1", "ngram-T0"])
-def test_no_conditional_in_the_decode_program(model, kw):
-  text = _compiled_text(model, **kw)
+_DRAFT = tiny_model(vocab=16, d_model=16, seed=4)
+CASES = {
+    "target-T0": dict(temperature=0.0), "target-T1": dict(temperature=1.0),
+    "ngram-T0": dict(temperature=0.0, drafter="ngram", gamma=2),
+    "mixed-T": dict(temperature=[0.0, 1.0]),  # the rule: verify_batch, not a conditional
+    "mixed-top-k": dict(temperature=[0.0, 0.7], top_k=[0, 3]),  # no top-p: no cut
+    "draft-T1": dict(temperature=1.0, draft=_DRAFT, gamma=2),
+    "draft-mixed": dict(temperature=[0.0, 1.0], draft=_DRAFT, gamma=2),
+    # propose_until: the draft forward is skipped by the loop's condition
+    "heuristic-T0": dict(temperature=0.0, draft=_DRAFT, gamma=3, gamma_policy="heuristic"),
+    "confidence-T1": dict(temperature=1.0, draft=_DRAFT, gamma=3, gamma_policy="confidence",
+                          draft_confidence=0.5),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_no_conditional_in_the_decode_program(model, name):
+  text = _compiled_text(model, **CASES[name])
   assert " while(" in text  # the program is the decode loop
   assert " conditional(" not in text
 
@@ -46,8 +61,12 @@ def test_the_check_sees_a_conditional_where_one_is_left(model):
 
 
 def test_paths_of_host_settings():
-  assert Paths.of([0.0, 0.0], 0, 1.0) == Paths(greedy=True, filters=False, deep_top_k=False)
-  assert Paths.of([0.5, 1.0], 0, 1.0) == Paths(greedy=False, filters=False, deep_top_k=False)
+  assert Paths.of([0.0, 0.0], 0, 1.0) == Paths(greedy=True, filters=False, deep_top_k=False,
+                                               nucleus=False)
+  assert Paths.of([0.5, 1.0], 0, 1.0) == Paths(greedy=False, filters=False, deep_top_k=False,
+                                               nucleus=False)
+  assert Paths.of(1.0, 5, 1.0).filters and not Paths.of(1.0, 5, 1.0).nucleus
+  assert Paths.of(1.0, 0, [1.0, 0.9]).nucleus
   assert Paths.of([0.0, 1.0], [0, 3], 1.0).greedy is None  # mixed rows
   assert Paths.of(1.0, 0, [1.0, 0.9]).filters
   assert Paths.of(1.0, [3, 200], 1.0).deep_top_k and not Paths.of(1.0, 3, 1.0).deep_top_k

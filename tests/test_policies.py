@@ -114,6 +114,11 @@ def test_propose_until_cuts_rows_and_keeps_the_draws():
                              jnp.full((b,), 4, jnp.int32), 0.999999)
   np.testing.assert_array_equal(lengths, [1, 1, 1, 1])
   assert int(steps) == 1
+  # No row drafts: no step runs and nothing is drawn.
+  ys3, qs3, _, lengths, steps = until(draft.params, kv, tokens, n, key, sampling,
+                                      jnp.zeros((b,), jnp.int32), 0.0)
+  np.testing.assert_array_equal(lengths, 0)
+  assert int(steps) == 0 and not np.any(ys3) and not np.any(qs3)
 
 
 def test_cut_is_a_chain_of_each_rows_length():

@@ -169,30 +169,34 @@ class EagleDrafter:
     b, vocab = logits.shape
     keys = jax.random.split(key, self.gamma)
 
-    def body(carry):
-      i, x, logits, kv, history, ys, qs, lengths, active = carry
+    def pick(i, logits, history, ys, qs, lengths, active):
       adjusted = _adjust(sampling, logits, history)
       y, q = _pick(self.sample_mode, keys[i], adjusted, sampling)
       top = jnp.max(jax.nn.softmax(adjusted.astype(jnp.float32), axis=-1), axis=-1)
       ys, qs = ys.at[:, i].set(y), qs.at[:, i].set(q)
       lengths = lengths + active
       active = active & (i + 1 < limit) & (top >= confidence)
+      return y, _advance(sampling, history, y), ys, qs, lengths, active
 
-      def feed():
-        new_x, new_logits, new_kv = heads_lib.eagle_apply(self.config, params, x, y[:, None],
-                                                          kv)
-        return new_x, new_logits[:, 0], new_kv
+    def body(carry):
+      # The last token's forward at the start of the next step: the loop's condition
+      # skips it, without a conditional (`ModelDrafter.propose_until`).
+      i, y, x, kv, history, ys, qs, lengths, active = carry
+      x, logits, kv = heads_lib.eagle_apply(self.config, params, x, y[:, None], kv)
+      y, history, ys, qs, lengths, active = pick(i, logits[:, 0], history, ys, qs, lengths,
+                                                 active)
+      return i + 1, y, x, kv, history, ys, qs, lengths, active
 
-      x, logits, kv = jax.lax.cond((i + 1 < self.gamma) & jnp.any(active), feed,
-                                   lambda: (x, logits, kv))
-      return i + 1, x, logits, kv, _advance(sampling, history, y), ys, qs, lengths, active
-
-    history = getattr(sampling, "history", None)
-    init = (jnp.zeros((), jnp.int32), x, logits, kv, history,
-            jnp.zeros((b, self.gamma), jnp.int32), jnp.zeros((b, self.gamma, vocab), jnp.float32),
-            jnp.zeros((b,), jnp.int32), limit > 0)
+    first = limit > 0
+    drafts = jnp.any(first)  # no row drafts: nothing drawn, as with no step at all
+    y, history, ys, qs, lengths, active = pick(
+        0, logits, getattr(sampling, "history", None), jnp.zeros((b, self.gamma), jnp.int32),
+        jnp.zeros((b, self.gamma, vocab), jnp.float32), jnp.zeros((b,), jnp.int32), first)
+    ys, qs = jnp.where(drafts, ys, 0), jnp.where(drafts, qs, 0.0)
+    init = (jnp.ones((), jnp.int32), y, x, kv, history, ys, qs, lengths, active)
     steps, _, _, kv, _, ys, qs, lengths, _ = jax.lax.while_loop(
         lambda c: (c[0] < self.gamma) & jnp.any(c[-1]), body, init)
+    steps = jnp.where(drafts, steps, 0)
     return ys, qs, state.replace(kv=kv), lengths, steps
 
   def rollback(self, state, n, features, start):

@@ -101,29 +101,35 @@ class ModelDrafter:
     b, vocab = logits.shape
     keys = jax.random.split(key, self.gamma)
 
-    def body(carry):
-      i, logits, kv, history, ys, qs, lengths, active = carry
+    def pick(i, logits, history, ys, qs, lengths, active):
       adjusted = sampling.adjust(logits, history)
       y, q = self._pick(keys[i], adjusted, sampling)
       top = jnp.max(jax.nn.softmax(adjusted.astype(jnp.float32), axis=-1), axis=-1)
       ys, qs = ys.at[:, i].set(y), qs.at[:, i].set(q)
       lengths = lengths + active
       active = active & (i + 1 < limit) & (top >= confidence)
+      return y, sampling.advance(history, y), ys, qs, lengths, active
 
-      def feed():
-        out, new_kv = model_lib.forward_cached(self.graphdef, params, y[:, None], kv)
-        return out[:, 0], new_kv
+    def body(carry):
+      # The forward of the token drawn last, at the start of the next step rather than
+      # the end of its own: the loop's condition then skips it after the last token (as
+      # in `propose`) and once every row has stopped, without a conditional.
+      i, y, kv, history, ys, qs, lengths, active = carry
+      out, kv = model_lib.forward_cached(self.graphdef, params, y[:, None], kv)
+      y, history, ys, qs, lengths, active = pick(i, out[:, 0], history, ys, qs, lengths,
+                                                 active)
+      return i + 1, y, kv, history, ys, qs, lengths, active
 
-      # The last token drafted needs no forward (as in `propose`), nor does a stopped batch.
-      logits, kv = jax.lax.cond((i + 1 < self.gamma) & jnp.any(active), feed,
-                                lambda: (logits, kv))
-      return i + 1, logits, kv, sampling.advance(history, y), ys, qs, lengths, active
-
-    init = (jnp.zeros((), jnp.int32), logits, kv, sampling.history,
-            jnp.zeros((b, self.gamma), jnp.int32), jnp.zeros((b, self.gamma, vocab), jnp.float32),
-            jnp.zeros((b,), jnp.int32), limit > 0)
+    first = limit > 0
+    drafts = jnp.any(first)  # no row drafts: nothing drawn, as with no step at all
+    y, history, ys, qs, lengths, active = pick(
+        0, logits, sampling.history, jnp.zeros((b, self.gamma), jnp.int32),
+        jnp.zeros((b, self.gamma, vocab), jnp.float32), jnp.zeros((b,), jnp.int32), first)
+    ys, qs = jnp.where(drafts, ys, 0), jnp.where(drafts, qs, 0.0)
+    init = (jnp.ones((), jnp.int32), y, kv, history, ys, qs, lengths, active)
     steps, _, kv, _, ys, qs, lengths, _ = jax.lax.while_loop(
         lambda c: (c[0] < self.gamma) & jnp.any(c[-1]), body, init)
+    steps = jnp.where(drafts, steps, 0)
     return ys, qs, kv, lengths, steps
 
   def rollback(self, kv, n, features=None, start=None):

@@ -31,11 +31,13 @@ class Paths:
   greedy: every row at temperature 0 (True), none (False), or some of them (None).
   filters: some row has top-k > 0 or top-p < 1.
   deep_top_k: some row's top-k lies past the sorted head the filter looks in first.
+  nucleus: some row has top-p < 1 (without, the top-p cut and its conditional go).
   A temperature sweep compiles one program per path: T = 0, T > 0, T > 0 with filters.
   """
   greedy: bool | None = None
   filters: bool | None = None
   deep_top_k: bool | None = None
+  nucleus: bool | None = None
 
   @classmethod
   def of(cls, temperature, top_k, top_p, adjusts: bool = False) -> "Paths":
@@ -46,11 +48,11 @@ class Paths:
     t, k, p = (np.asarray(x) for x in (temperature, top_k, top_p))
     greedy = True if np.all(t <= 0) else (False if np.all(t > 0) else None)
     if greedy:  # a one-hot argmax: no filter runs
-      return cls(greedy=True, filters=False, deep_top_k=False)
+      return cls(greedy=True, filters=False, deep_top_k=False, nucleus=False)
     if adjusts:
       return cls()
     return cls(greedy=greedy, filters=bool(np.any(k > 0) or np.any(p < 1)),
-               deep_top_k=bool(np.any(k > _HEAD)))
+               deep_top_k=bool(np.any(k > _HEAD)), nucleus=bool(np.any(p < 1)))
 
 
 @flax.struct.dataclass
@@ -194,10 +196,9 @@ def process_logits(logits: jax.Array, temperature, top_k, top_p,
 
 
 def pick_by_paths(sampling: Sampling, greedy, sampled):
-  """greedy() where every row is at temperature 0, else sampled(): chosen on the host
-  where `sampling.paths` knows, else by a conditional."""
-  if sampling.paths.greedy is None:
-    return jax.lax.cond(jnp.all(sampling.temperature <= 0), greedy, sampled)
+  """greedy() where the host knows every row is at temperature 0, else sampled(), which
+  gives a greedy row the same token and q (a draw from a one-hot is its token): no
+  conditional in the loop for a mixed batch."""
   return greedy() if sampling.paths.greedy else sampled()
 
 
@@ -236,9 +237,11 @@ def _filter_top_k_top_p(scaled, top_k, top_p, paths: Paths = Paths()):
     kth = jax.lax.cond(jnp.all(k_in_head | (top_k <= 0)), lambda: kth, deep_k)
   elif paths.deep_top_k:
     kth = deep_k()
+  kth = jnp.where(top_k > 0, kth, -jnp.inf)
+  if paths.nucleus is False:  # every top_p = 1: the cut is top-k's
+    return jnp.where(scaled >= kth, scaled, -jnp.inf)
   # Where the top-p cut lies depends on the logits: it stays a conditional (a bisection
   # over the vocabulary is too dear to run every step), in programs with top-p only.
-  kth = jnp.where(top_k > 0, kth, -jnp.inf)
 
   kept = jnp.where(scaled >= kth, scaled, -jnp.inf)
   lse = jax.scipy.special.logsumexp(kept, axis=-1, keepdims=True)

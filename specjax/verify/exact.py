@@ -112,15 +112,14 @@ class ExactRule:
   the engine) with `lossless` and `__call__(keys[B], ys[B, γ], qs[B, γ, V], ps[B, γ+1, V],
   greedy) -> (n_accepted int32[B], next_token int32[B], overlap float32[B, γ])`; any
   rule other than this one must set `lossless = False`. `greedy` (static,
-  `sampling.Paths.greedy`): every row at temperature 0 (True), none (False), unknown.
+  `sampling.Paths.greedy`): every row at temperature 0 (True), none (False), unknown
+  (None).
   """
   lossless = True
 
   def __call__(self, keys, ys, qs, ps, greedy=None):
-    # Every p a point mass (temperature 0 on every row): the same tokens from argmaxes
-    # and gathers, without V random numbers per row or passes over the vocabulary.
-    if greedy is None:  # decided when run. Fresh closures: lax.cond keeps the trace of a
-      # function it has seen (by identity), which would be another backend's.
-      return jax.lax.cond(point_masses(ps), lambda *a: verify_point_masses(*a),
-                          lambda *a: verify_batch(*a), keys, ys, qs, ps)
+    # Every p a point mass (temperature 0 on every row, known on the host): the same
+    # tokens from argmaxes and gathers, without V random numbers per row or passes over
+    # the vocabulary. Not known: `verify_batch`, which gives a point mass the same tokens
+    # and overlap; a conditional here would bring its predicate to the host each round.
     return (verify_point_masses if greedy else verify_batch)(keys, ys, qs, ps)
