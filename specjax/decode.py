@@ -33,6 +33,7 @@ from specjax.processors import history as processors
 from specjax import trees
 from specjax.verify import layouts
 from specjax.models.config import ModelConfig
+from specjax.processors import sampling as processing
 from specjax.processors.sampling import Sampling
 from specjax.verify.exact import ExactRule
 from specjax.state import (DecodeState, Logprobs, Stats, Weights,  # noqa: F401  (the engine's API)
@@ -181,12 +182,12 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
       engine, weights.target, jnp.concatenate([pending, ys], axis=1), state.target_kv,
       lengths, state.done, narrow, **layout.pass_layout(state.n))
   prefixes = layout.prefixes(sampling, state.history, ys)
-  ps, banned = _target_dists(sampling, logits, prefixes)
+  ps, banned, top = _target_dists(sampling, logits, prefixes)
 
   # 3. Verify rule, one row at a time: the accepted path and the correction/bonus token.
   row_keys = jax.vmap(jax.random.fold_in, (None, 0))(verify_key, jnp.arange(ys.shape[0]))
   n_accepted, next_token, overlap, path, siblings, ys = layout.verify(
-      engine, row_keys, ys, qs, ps, lengths, verify_key, sampling.paths.greedy)
+      engine, row_keys, ys, qs, ps, lengths, verify_key, sampling.paths.greedy, top)
 
   # 4. Commit y_1..y_a and the correction/bonus token (at index a), cut by the budget,
   # the context, stops and a prefix where the processors ban every token.
@@ -227,17 +228,22 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
 
 
 def _target_dists(sampling: Sampling, logits, prefixes):
-  """p at every candidate position, processed with its prefix's history; and the bans
+  """p at every candidate position, processed with its prefix's history; the bans
   ([B, prefixes, V]) where a processor bans tokens (the commit ends a row at a prefix
-  that bans every token), else None."""
+  that bans every token), else None; and where the host knows every row is greedy and
+  nothing adjusts the logits, each p's token (int32[B, γ+1]), else None: the rule reads
+  it, so a greedy round takes one argmax and XLA drops the one-hot p nothing else reads."""
   if not sampling.pcfg.adjusts:
-    return sampling.process(logits), None
+    if sampling.paths.greedy:
+      top = processing.argmax(logits.astype(jnp.float32)).astype(jnp.int32)
+      return jax.nn.one_hot(top, logits.shape[-1], dtype=jnp.float32), None, top
+    return sampling.process(logits), None, None
   banned = None
   if sampling.pcfg.bans:
     banned = jax.vmap(functools.partial(processors.banned, sampling.pcfg, sampling.procs),
                       in_axes=1, out_axes=1)(prefixes)
   return jax.vmap(sampling.process, in_axes=(1, 1, 1), out_axes=1)(logits, prefixes,
-                                                                   banned), banned
+                                                                   banned), banned, None
 
 
 def _stops(sampling: Sampling, state: DecodeState, new, prefixes, before):

@@ -115,12 +115,12 @@ class GammaPolicy:
     return propose_upto(drafter, params, state.draft_state, state.tokens, state.n, key,
                         sampling, limit, self.confidence)
 
-  def settle(self, n_accepted, next_token, ps, lengths, key, greedy=None):
+  def settle(self, n_accepted, next_token, ps, lengths, key, greedy=None, top=None):
     """The rule's outcome as if each row had drafted a chain of its own length (`cut`)."""
     if lengths is None:
       return n_accepted, next_token
     return cut(n_accepted, next_token, ps, lengths, jax.random.fold_in(key, 2 ** 31 - 1),
-               greedy)
+               greedy, top)
 
   def carry(self, state, lengths, n_accepted, steps, gamma: int) -> dict:
     """The fields of `init_state` after this round."""
@@ -168,7 +168,7 @@ def propose_upto(drafter, params, state, tokens, n, key, sampling, limit, confid
   return ys, qs, state, limit, steps
 
 
-def cut(n_accepted, next_token, ps, lengths, key, greedy=None):
+def cut(n_accepted, next_token, ps, lengths, key, greedy=None, top=None):
   """The rule's outcome for chains of `lengths` tokens instead of γ.
 
   Every rule decides position i from position i's inputs alone, so a row whose first
@@ -177,6 +177,9 @@ def cut(n_accepted, next_token, ps, lengths, key, greedy=None):
   """
   from specjax.processors.sampling import argmax, sample
   full = n_accepted >= lengths
+  if top is not None:  # every p a point mass on top [B, γ+1] (the rule's `top`)
+    return jnp.minimum(n_accepted, lengths), jnp.where(
+        full, jnp.take_along_axis(top, lengths[:, None], axis=1)[:, 0], next_token)
   p_next = jnp.take_along_axis(ps, lengths[:, None, None], axis=1)[:, 0]
   # A point mass's draw is its one token (temperature 0): no V random numbers per row.
   # Unknown (None): a draw, which gives a point mass its token, not a conditional.

@@ -130,6 +130,12 @@ def test_cut_is_a_chain_of_each_rows_length():
   np.testing.assert_array_equal(n, [0, 2, 1, 3])
   # Rejected inside the length: the rule's token; all L accepted: a draw from p_L.
   np.testing.assert_array_equal(nxt, [9, 2, 1, 9])
+  # Each p's token given (a greedy round): the same outcome without reading p.
+  top = jnp.argmax(ps, axis=-1).astype(jnp.int32)
+  n2, nxt2 = policies.cut(n_accepted, next_token, jnp.zeros_like(ps), lengths,
+                          jax.random.PRNGKey(0), True, top)
+  np.testing.assert_array_equal(n2, n)
+  np.testing.assert_array_equal(nxt2, nxt)
 
 
 def test_heuristic_schedule_and_ledger_choice():

@@ -168,8 +168,12 @@ class PointMassTest(chex.TestCase):
         self.assertTrue(bool(exact.point_masses(p)))
         got = jax.jit(lambda *a: exact.ExactRule()(*a, greedy=True))(row_keys, ys, q, p)
         want = exact.verify_batch(row_keys, ys, q, p)
-        for g, w in zip(got, want):
+        # With each p's token given (a greedy round), p is not read: the same numbers.
+        top = jnp.argmax(p, axis=-1).astype(jnp.int32)
+        given = exact.ExactRule()(row_keys, ys, q, jnp.zeros_like(p), True, top=top)
+        for g, w, t in zip(got, want, given):
           np.testing.assert_array_equal(g, w)
+          np.testing.assert_array_equal(t, w)
     # γ = 0 (target-only decoding): nothing to accept, the next token is p's argmax.
     empty_q = jnp.zeros((b, 0, vocab))
     got = exact.verify_point_masses(row_keys, ys[:, :0], empty_q, p[:, :1])

@@ -80,8 +80,9 @@ def verify(key: jax.Array, draft_tokens: jax.Array, q: jax.Array, p: jax.Array):
 verify_batch = jax.vmap(verify)
 
 
-def verify_point_masses(keys, draft_tokens, q, p):
-  """`verify_batch` where every p [B, γ+1, V] is a point mass, in O(γ) gathers per row.
+def verify_point_masses(keys, draft_tokens, q, p, top=None):
+  """`verify_batch` where every p [B, γ+1, V] is a point mass, in O(γ) gathers per row;
+  with top (int32[B, γ+1], each p's token, where the caller has it) p is not read.
 
   With all of p_i on a_i = argmax p_i: y_i is accepted with probability min(1, p(y)/q(y)),
   which is 1 for y_i = a_i (or q(y_i) = 0) and 0 otherwise, so no uniform is drawn; the
@@ -93,12 +94,19 @@ def verify_point_masses(keys, draft_tokens, q, p):
   """
   del keys
   gamma = draft_tokens.shape[1]
-  top = argmax(p).astype(jnp.int32)  # [B, γ+1]
-  accepted = acceptance_prob(p[:, :gamma], q, draft_tokens) > 0
+  at_top = lambda d: jnp.take_along_axis(d, top[:, :gamma, None], axis=-1)[..., 0]
+  if top is None:
+    top = argmax(p).astype(jnp.int32)  # [B, γ+1]
+    accepted = acceptance_prob(p[:, :gamma], q, draft_tokens) > 0
+    p_top = at_top(p[:, :gamma])
+  else:  # p = one-hot(top), not read: p(y) = [y = top], p(top) = 1
+    py = (draft_tokens == top[:, :gamma]).astype(q.dtype)
+    qy = jnp.take_along_axis(q, draft_tokens[..., None], axis=-1)[..., 0]
+    accepted = (py >= qy) | (py > 0)  # acceptance_prob > 0
+    p_top = jnp.ones(top[:, :gamma].shape, q.dtype)
   n_accepted = accepted_prefix(accepted)
   next_token = jnp.take_along_axis(top, n_accepted[:, None], axis=1)[:, 0]
-  at_top = lambda d: jnp.take_along_axis(d, top[:, :gamma, None], axis=-1)[..., 0]
-  return n_accepted, next_token, jnp.minimum(at_top(p[:, :gamma]), at_top(q))
+  return n_accepted, next_token, jnp.minimum(p_top, at_top(q))
 
 
 def point_masses(ps: jax.Array) -> jax.Array:
@@ -111,15 +119,21 @@ class ExactRule:
   """The lossless rule above. A verify rule is a frozen dataclass (a static argument of
   the engine) with `lossless` and `__call__(keys[B], ys[B, γ], qs[B, γ, V], ps[B, γ+1, V],
   greedy) -> (n_accepted int32[B], next_token int32[B], overlap float32[B, γ])`; any
-  rule other than this one must set `lossless = False`. `greedy` (static,
+  rule other than this one must set `lossless = False`; one with `reads_top` also takes
+  `top=` (`ChainLayout.verify`). `greedy` (static,
   `sampling.Paths.greedy`): every row at temperature 0 (True), none (False), unknown
   (None).
   """
   lossless = True
+  reads_top = True  # takes `top=` (each p's token where all are point masses)
 
-  def __call__(self, keys, ys, qs, ps, greedy=None):
+  def __call__(self, keys, ys, qs, ps, greedy=None, top=None):
     # Every p a point mass (temperature 0 on every row, known on the host): the same
     # tokens from argmaxes and gathers, without V random numbers per row or passes over
     # the vocabulary. Not known: `verify_batch`, which gives a point mass the same tokens
     # and overlap; a conditional here would bring its predicate to the host each round.
+    # top: each p's token where the host knows every p is a point mass (then p is not
+    # read, and the program need not build it).
+    if top is not None:
+      return verify_point_masses(keys, ys, qs, ps, top)
     return (verify_point_masses if greedy else verify_batch)(keys, ys, qs, ps)

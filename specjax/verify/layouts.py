@@ -39,12 +39,17 @@ class Chain:
       return None
     return processors.prefix_histories(sampling.pcfg, sampling.procs, history, ys)
 
-  def verify(self, engine, row_keys, ys, qs, ps, lengths, key, greedy=None):
+  def verify(self, engine, row_keys, ys, qs, ps, lengths, key, greedy=None, top=None):
     """(n_accepted, next_token, overlap, path, by_rank, committed ys): path and by_rank
-    None for a chain; ys as drafted. greedy: `sampling.Paths.greedy` (static)."""
-    n_accepted, next_token, overlap = engine.rule(row_keys, ys, qs, ps, greedy)
+    None for a chain; ys as drafted. greedy: `sampling.Paths.greedy` (static). top:
+    int32[B, γ+1], the argmax of every p where each is a point mass known to the host
+    (else None): the exact rule and the bonus read it instead of p."""
+    if top is not None and getattr(engine.rule, "reads_top", False):
+      n_accepted, next_token, overlap = engine.rule(row_keys, ys, qs, ps, greedy, top=top)
+    else:
+      n_accepted, next_token, overlap = engine.rule(row_keys, ys, qs, ps, greedy)
     n_accepted, next_token = engine.policy.settle(n_accepted, next_token, ps, lengths, key,
-                                                  greedy)
+                                                  greedy, top)
     return n_accepted, next_token, overlap, None, None, ys
 
   def before_each(self, path):
@@ -76,7 +81,7 @@ class TreeLayout:
     return processors.tree_histories(sampling.pcfg, sampling.procs, history, ys,
                                      self.tree.parents)
 
-  def verify(self, engine, row_keys, ys, qs, ps, lengths, key, greedy=None):
+  def verify(self, engine, row_keys, ys, qs, ps, lengths, key, greedy=None, top=None):
     n_accepted, next_token, overlap, path, by_rank = tree_verify.walk_batch(
         row_keys, ys, qs, ps, self.tree, self.deterministic, engine.unroll_walk)
     return n_accepted, next_token, overlap, path, by_rank, jnp.take_along_axis(
