@@ -5,6 +5,7 @@
   layouts.py a round's candidates as a chain or a tree: pass layout, verify, commit, rollback
 
   tree.py    the walk down a token tree (the node rules) and the accepted path's KV compaction
+  optimum.py the multi-draft optimum a node rule is measured against (float64, numpy)
 """
 
 from specjax.verify.exact import ExactRule, acceptance_prob, residual, verify
