@@ -15,6 +15,14 @@ it finished), then <out>/summary.md:
 4. synthetic: the TinyLlama-1.1B / Llama-68M-shaped bf16 pair with the synthetic verify
    rule (acceptance α^(i+1) whatever the weights): paired speedup against α and γ, with the
    ledger's prediction from c and v(γ) measured on the device.
+5. roofline (not in the default stages; `--stages=machine,roofline [--peer]`): on the
+   same random-weight Llama shapes, batch 1 and 8, 512- and 4,096-token contexts, the
+   per-step time of a minimal decode (a fori_loop over the model's cached 1-token step and
+   argmax, with a static and with a traced trip count), of `generate`'s program
+   target-only at T = 0 and T = 1 and, with `--peer`, of transformers' static-cache
+   `generate` (compiled on CUDA); timed interleaved, per step = (long call - short call)
+   / extra steps, medians and quartiles; GB/s of `step_bytes` against the datasheet peak
+   and the measured copy, and each method's step over the minimal loop's.
 
 `--part=sharding` (`mesh_speed`, `memory`, `tv_distances`): what sharding, memory and
 precision cost: tokens/s on meshes (dp, tp) of 8 devices against one device, per-device
@@ -36,15 +44,17 @@ import numpy as np
 import specjax
 from experiments import common
 from experiments import synthetic
+from specjax import backends
 from specjax import costs
 from specjax import prepare as prepare_lib
+from specjax.processors import sampling as sampling_lib
 from specjax.models import kv_cache
 from specjax.models import model as model_lib
 from specjax.models import quantization
 from specjax.models import sharding
 from specjax.models.pretrained import load_pretrained
 
-STAGES = ("machine", "bandwidth", "synthetic", "shipped")
+STAGES = ("machine", "bandwidth", "synthetic", "shipped", "roofline")
 
 # Datasheet HBM bandwidth (GB/s) by jax's device_kind; the measured copy is the other ceiling.
 PEAK_GBPS = {"NVIDIA H200": 4800, "NVIDIA H100 80GB HBM3": 3350, "NVIDIA H100 PCIe": 2000,
@@ -209,6 +219,9 @@ def summary(res: dict) -> str:
     part = res.get(key)
     if isinstance(part, dict) and part.get("rows"):
       lines += [common.markdown_table(part["rows"], cols), ""]
+  part = res.get("roofline")
+  if isinstance(part, dict) and "rows" in part:
+    lines += roofline_table(part) + [""]
   for key, part in res.items():
     if isinstance(part, dict) and "error" in part:
       lines.append(f"- stage {key} failed: {part['error']}")
@@ -217,7 +230,8 @@ def summary(res: dict) -> str:
 
 def run(out: Path, small: bool = False, budget_s: float = 420.0,
         stages=("machine", "bandwidth", "synthetic", "shipped"), synthetic_batches=(1, 8),
-        synthetic_pair=("tinyllama-1.1b", "llama-68m"), shipped_reserve_s: float = 120.0) -> dict:
+        synthetic_pair=("tinyllama-1.1b", "llama-68m"), shipped_reserve_s: float = 120.0,
+        peer: bool = False, roofline_grid=None) -> dict:
   """The stages in order, each written to <out>/accel.json and <out>/summary.md as soon as
   it ends; a stage that would start past `budget_s` is skipped and says so, one that
   fails records its error and the others still run."""
@@ -242,6 +256,10 @@ def run(out: Path, small: bool = False, budget_s: float = 420.0,
         res[stage] = stage_bandwidth(small, m.get("peak_gbps"), m.get("copy_gbps"))
       elif stage == "shipped":
         res[stage] = stage_shipped(small)
+      elif stage == "roofline":
+        m = res.get("machine") or stage_machine(small)
+        res[stage] = stage_roofline(small, deadline, m.get("peak_gbps"), m.get("copy_gbps"),
+                                    peer=peer, grid=roofline_grid)
       else:  # synthetic
         later = stages[stages.index(stage):]
         res[stage] = stage_synthetic(small, deadline - shipped_reserve_s * ("shipped" in later),
@@ -255,6 +273,230 @@ def run(out: Path, small: bool = False, budget_s: float = 420.0,
     (out / "summary.md").write_text(summary(res))
   print(summary(res))
   return res
+
+
+# ----------------------------------------------------------------------------------
+# Roofline: the engine's decode step against a minimal loop on the same weights.
+
+# (shape, batch, context) in the order they run: the rows the accelerator goals are
+# stated on first, so a run cut by its budget keeps them.
+ROOFLINE_GRID = (("tinyllama-1.1b", 1, 512), ("llama3-8b", 1, 512),
+                 ("tinyllama-1.1b", 8, 512), ("llama3-8b", 8, 512),
+                 ("tinyllama-1.1b", 1, 4096), ("llama3-8b", 1, 4096),
+                 ("tinyllama-1.1b", 8, 4096), ("llama3-8b", 8, 4096))
+SMALL_ROOFLINE_GRID = (("tinyllama-1.1b", 1, 32), ("llama3-8b", 8, 64))
+ROOFLINE_METHODS = ("minimal static", "minimal traced", "engine T=0", "engine T=1",
+                    "transformers static compiled")
+
+
+def _minimal_decode(model, backend):
+  """(prefill, loop): the reference decode, the model's own cached forward and argmax.
+  loop(params, kv, token, out, rounds) runs `rounds` 1-token steps in a fori_loop,
+  writing each step's token into out int32[B, >= rounds] (a decode keeps its tokens, as
+  the engine does); `rounds` is static (a fixed trip count) or traced (a while loop whose
+  predicate is data)."""
+  graphdef = model.graphdef
+
+  @jax.jit
+  def prefill(params, prompts, kv):
+    with backends.use(backend):
+      logits, kv = model_lib.forward_cached(graphdef, backend.layout(params), prompts, kv,
+                                            empty=True)
+      return sampling_lib.argmax(logits[:, -1]).astype(jnp.int32), kv
+
+  def loop(params, kv, token, out, rounds):
+    with backends.use(backend):
+      params = backend.layout(params)  # once, outside the loop (a no-op when laid out)
+
+      def body(i, carry):
+        tok, kv, out = carry
+        logits, kv = model_lib.forward_cached(graphdef, params, tok[:, None], kv)
+        tok = sampling_lib.argmax(logits[:, -1]).astype(jnp.int32)
+        return tok, kv, jax.lax.dynamic_update_slice_in_dim(out, tok[:, None], i, axis=1)
+      return jax.lax.fori_loop(0, rounds, body, (token, kv, out))[2]
+
+  return prefill, jax.jit(loop, static_argnums=4), jax.jit(loop)
+
+
+def _peer_decode(model, prompts, compiled: bool):
+  """run(new_tokens): transformers' greedy `generate` with a static cache on the same
+  weights (bf16, torch's default device: CUDA where it is there); on CUDA, generate
+  compiles the forward itself (its auto-compile for a static cache), elsewhere only with
+  `compiled`."""
+  import torch
+  import transformers
+  from specjax.hf import config as hf_config
+  from specjax.hf import weights as hf_weights
+  device = "cuda" if torch.cuda.is_available() else "cpu"
+  hf_cfg = transformers.AutoConfig.for_model(**hf_config.config_to_hf(model.config))
+  with torch.device(device):
+    ref = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16).eval()
+  state = {}
+  for name, array in hf_weights.params_to_hf(model.config, model.params).items():
+    bits = np.ascontiguousarray(np.asarray(array, dtype=jnp.bfloat16)).view(np.int16)
+    state[name] = torch.from_numpy(bits).view(torch.bfloat16)
+  missing, unexpected = ref.load_state_dict(state, strict=False)
+  if unexpected or [k for k in missing if "lm_head" not in k or not hf_cfg.tie_word_embeddings]:
+    raise RuntimeError(f"transformers copy: missing {missing}, unexpected {unexpected}")
+  ref.generation_config.eos_token_id = None
+  ref.generation_config.pad_token_id = 0
+  gen_kw = dict(do_sample=False, cache_implementation="static")
+  if compiled and device == "cpu":
+    gen_kw["compile_config"] = transformers.CompileConfig(_compile_all_devices=True)
+  ids = torch.tensor(np.asarray(prompts), device=device)
+
+  def run(new_tokens: int):
+    with torch.inference_mode():
+      out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                         min_new_tokens=new_tokens, **gen_kw)
+    if device == "cuda":
+      torch.cuda.synchronize()
+    return out
+  return run, {"device": device, "compiled": compiled or device == "cuda",
+               "transformers": transformers.__version__, "torch": torch.__version__}
+
+
+def _per_step(times_long, times_short, steps):
+  per = (np.asarray(times_long) - np.asarray(times_short)) / steps * 1e3
+  q1, med, q3 = np.percentile(per, [25, 50, 75])
+  return {"step_ms": float(med), "step_ms_q1": float(q1), "step_ms_q3": float(q3),
+          "samples_ms": [float(x) for x in per]}
+
+
+def roofline_point(model, shape: str, batch: int, context: int, *, rounds=(16, 144),
+                   repeats: int = 5, peer: bool = False, peer_compiled: bool = True,
+                   peak=None, copy=None, seed: int = 0) -> dict:
+  """One (shape, batch, context) row: per-step time of the minimal loop (static and
+  traced trip count), the engine target-only at T = 0 and T = 1 and, with `peer`,
+  transformers; each the median over `repeats` interleaved passes of (long call - short
+  call) / (its extra steps)."""
+  r1, r2 = rounds
+  if not (isinstance(r1, int) and isinstance(r2, int) and 0 < r1 < r2):
+    raise ValueError(f"rounds must be ints 0 < short < long, got {rounds!r}")
+  if not isinstance(repeats, int) or repeats < 1:
+    raise ValueError(f"repeats must be a positive int, got {repeats!r}")
+  if context + r2 + 1 > model.config.max_len:
+    raise ValueError(f"context {context} + {r2} steps exceed the model's max_len "
+                     f"{model.config.max_len}")
+  prompts = np.random.RandomState(seed).randint(
+      0, model.config.vocab_size, (batch, context)).astype(np.int32)
+  runs, extra = {}, {}
+  # Generate's program (prefill + rounds; round limit traced: one program for r1 and r2).
+  cache_size, preps = None, {}
+  for t in (0.0, 1.0):
+    p = prepare_lib.prepare(model, prompts.tolist(), max_new_tokens=r2 + 1, temperature=t,
+                            eos_id=None)
+    cache_size = p.cache_size
+    preps[t] = p
+    key = prepare_lib.seed_key(seed)
+    runs[f"engine T={t:g}"] = (lambda p, key: lambda r: p.run(key, r).tokens)(p, key)
+  backend = backends.select()
+  prefill, loop_static, loop_traced = _minimal_decode(model, backend)
+  params = backend.layout(model.params)
+  dtype = model_lib.compute_dtype(model.params)
+  tok0, kv0 = prefill(params, jnp.asarray(prompts),
+                      kv_cache.init_kv(model.config, batch, cache_size, dtype))
+  out0 = jnp.zeros((batch, r2), jnp.int32)
+  runs["minimal static"] = lambda r: loop_static(params, kv0, tok0, out0, r)
+  runs["minimal traced"] = lambda r: loop_traced(params, kv0, tok0, out0, jnp.int32(r))
+  # The floor is a correct greedy decode: its tokens are the engine's at T = 0.
+  minimal_tokens = np.concatenate([np.asarray(tok0)[:, None],
+                                   np.asarray(runs["minimal static"](r2))], axis=1)
+  state = preps[0.0].run(prepare_lib.seed_key(seed), r2)
+  engine_tokens = [np.asarray(state.tokens[i, context:state.n[i]]) for i in range(batch)]
+  width = min(min(len(t) for t in engine_tokens), minimal_tokens.shape[1])
+  extra["minimal_equals_engine_greedy"] = bool(all(
+      np.array_equal(t[:width], m[:width]) for t, m in zip(engine_tokens, minimal_tokens)))
+  extra["tokens_compared"] = int(width)
+  if peer:
+    try:
+      runs["transformers static compiled"], extra["peer"] = _peer_decode(
+          model, prompts, peer_compiled)
+    except ImportError as e:
+      extra["peer"] = {"error": f"not run: {e}"}
+  order = [m for m in ROOFLINE_METHODS if m in runs]
+
+  def timed(fn, r):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(r))
+    return time.perf_counter() - start
+
+  for name in order:  # compile and warm both lengths
+    timed(runs[name], r1), timed(runs[name], r2)
+  long, short = {m: [] for m in order}, {m: [] for m in order}
+  for _ in range(repeats):  # a b c d a b c d ...
+    for name in order:
+      short[name].append(timed(runs[name], r1))
+      long[name].append(timed(runs[name], r2))
+  nbytes = step_bytes(model, batch, context + (r1 + r2) // 2)
+  methods = {}
+  for name in order:
+    row = _per_step(long[name], short[name], r2 - r1)
+    gbps = nbytes / (row["step_ms"] / 1e3) / 1e9 if row["step_ms"] > 0 else None
+    row.update(gbps=gbps, tokens_per_s=batch * 1e3 / row["step_ms"] if gbps else None,
+               fraction_of_peak=gbps / peak if gbps and peak else None,
+               fraction_of_copy=gbps / copy if gbps and copy else None)
+    methods[name] = row
+  minimal = methods["minimal static"]["step_ms"]
+  for row in methods.values():
+    row["ratio_to_minimal"] = row["step_ms"] / minimal
+  out = {"shape": shape, "batch": batch, "context": context, "cache_size": cache_size,
+         "rounds": [r1, r2], "repeats": repeats, "bytes_per_step": nbytes,
+         "methods": methods, **extra}
+  return out
+
+
+def stage_roofline(small: bool, deadline: float, peak, copy, peer: bool = False,
+                   grid=None, repeats=None, rounds=None) -> dict:
+  """`roofline_point` over the grid, in order, until `deadline` (later rows are listed
+  as skipped); one random-weight model per shape, shared by its rows."""
+  shapes = SMALL_SHAPES if small else SHAPES
+  grid = list(grid or (SMALL_ROOFLINE_GRID if small else ROOFLINE_GRID))
+  rounds = tuple(rounds or ((4, 36) if small else (16, 144)))
+  repeats = repeats or (3 if small else 5)
+  for shape, batch, context in grid:
+    if shape not in shapes or batch < 1 or context < 1:
+      raise ValueError(f"roofline grid row {(shape, batch, context)!r}: shape must be one of "
+                       f"{sorted(shapes)}, batch and context positive")
+  max_len = max(c for _, _, c in grid) + rounds[1] + 64
+  models, rows, skipped, took = {}, [], [], {}
+  for shape, batch, context in grid:
+    # A row is not started if the last row of its shape, as long again, would overrun.
+    if time.monotonic() + took.get(shape, 0.0) > deadline:
+      skipped.append({"shape": shape, "batch": batch, "context": context})
+      continue
+    t0 = time.monotonic()
+    if shape not in models:
+      kwargs = dict(shapes[shape], max_len=max(shapes[shape]["max_len"], max_len))
+      models[shape] = synthetic.random_model(kwargs, "bfloat16", seed=0)
+    row = roofline_point(models[shape], shape, batch, context, rounds=rounds, repeats=repeats,
+                         peer=peer, peer_compiled=not small, peak=peak, copy=copy)
+    rows.append(row)
+    took[shape] = row["row_s"] = time.monotonic() - t0
+    print(json.dumps({k: v for k, v in row.items() if k != "methods"}), flush=True)
+    for name, m in row["methods"].items():
+      print(f"  {name:30s} {m['step_ms']:.3f} ms [{m['step_ms_q1']:.3f}, "
+            f"{m['step_ms_q3']:.3f}]  ×minimal {m['ratio_to_minimal']:.2f}", flush=True)
+  return {"rows": rows, "skipped_past_budget": skipped, "peak_gbps": peak, "copy_gbps": copy}
+
+
+def roofline_table(part: dict) -> list[str]:
+  frac = lambda x: f"{x:.0%}" if x else "–"
+  lines = ["| shape | batch | context | bytes/step | method | step ms (quartiles) | GB/s "
+           "| of peak | of copy | × minimal | tokens/s |", "|" + "---|" * 11]
+  for r in part["rows"]:
+    for name, m in r["methods"].items():
+      gbps = f"{m['gbps']:.0f}" if m["gbps"] else "–"
+      tps = f"{m['tokens_per_s']:.0f}" if m["tokens_per_s"] else "–"
+      lines.append(f"| {r['shape']} | {r['batch']} | {r['context']} | "
+                   f"{r['bytes_per_step'] / 1e9:.3f} GB | {name} | {m['step_ms']:.3f} "
+                   f"({m['step_ms_q1']:.3f}–{m['step_ms_q3']:.3f}) | {gbps} | "
+                   f"{frac(m['fraction_of_peak'])} | {frac(m['fraction_of_copy'])} | "
+                   f"{m['ratio_to_minimal']:.2f} | {tps} |")
+  for s in part.get("skipped_past_budget", []):
+    lines.append(f"| {s['shape']} | {s['batch']} | {s['context']} | skipped: past the budget "
+                 "|" + " |" * 7)
+  return lines
 
 
 # ----------------------------------------------------------------------------------

@@ -23,7 +23,9 @@ Every part times a method against its baseline in the same process, alternately
               greedy, speculative and prompt lookup on both stacks, outputs compared.
   accel       one budgeted run on an accelerator (`experiments/accel.py`): bandwidth of a
               1-token step against the datasheet and a copy, v(γ), the shipped pair's
-              speedups, the synthetic-acceptance grid on Llama shapes.
+              speedups, the synthetic-acceptance grid on Llama shapes; with
+              --stages=machine,roofline [--peer], the engine's decode step against a
+              minimal fori_loop decode (and transformers) on the same weights.
   synthetic   engine speed at a chosen acceptance on random-weight models
               (`experiments/synthetic.py`, configs/bench.py): speedup against α and γ.
   stream      `specjax.stream` against `generate`, whole calls per prompt: stream / generate
@@ -74,7 +76,7 @@ PARTS = {
     "accel": dict(out="runs/accel", small=False, budget_s=420.0,
                   stages=["machine", "bandwidth", "synthetic", "shipped"],
                   synthetic_batches=[1, 8], synthetic_pair=["tinyllama-1.1b", "llama-68m"],
-                  shipped_reserve_s=120.0),
+                  shipped_reserve_s=120.0, peer=False),
     "synthetic": dict(config=None, out="runs/bench_synthetic"),
     "stream": dict(target="stdlib-target", draft=None, drafter="model", gamma=2,
                    temperature=[0.0], rounds_per_chunk=[1, 4, 16], num_prompts=8,
@@ -122,7 +124,9 @@ flags.DEFINE_bool("small", None, "accel: tiny shapes and grids (a check of the s
                   "any backend).")
 flags.DEFINE_float("budget_s", None, "accel: skip stages that would start after this.")
 flags.DEFINE_list("stages", None, "accel: stages to run, in order (machine, bandwidth, "
-                  "synthetic, shipped).")
+                  "synthetic, shipped, roofline).")
+flags.DEFINE_bool("peer", None, "accel: the roofline stage also times transformers' "
+                  "static-cache generate on the same weights (where torch is importable).")
 flags.DEFINE_list("synthetic_batches", None, "accel: batch sizes of the synthetic stage.")
 flags.DEFINE_list("synthetic_pair", None, "accel: target and draft shapes of the synthetic "
                   "stage (keys of accel.SHAPES).")
@@ -317,7 +321,7 @@ def part_accel(s):
   from experiments import accel
   accel.run(Path(s.out), small=s.small, budget_s=s.budget_s, stages=s.stages,
             synthetic_batches=s.synthetic_batches, synthetic_pair=s.synthetic_pair,
-            shipped_reserve_s=s.shipped_reserve_s)
+            shipped_reserve_s=s.shipped_reserve_s, peer=s.peer)
 
 
 def part_synthetic(s):

@@ -44,3 +44,50 @@ def test_paired_generate_gives_each_batch_its_own_seed(monkeypatch):
   except Stop:
     pass
   assert seeds == [5, 6, 7]
+
+
+def test_per_step_is_the_long_call_less_the_short_over_the_extra_steps():
+  got = accel._per_step([1.0, 1.2, 1.1, 1.3], [0.2, 0.2, 0.3, 0.1], steps=100)
+  assert got["samples_ms"] == [8.0, 10.0, 8.0, 12.0]
+  assert (got["step_ms"], got["step_ms_q1"], got["step_ms_q3"]) == (9.0, 8.0, 10.5)
+
+
+def test_roofline_stage_small_runs_on_the_cpu_and_reports_sane_numbers(tmp_path):
+  grid = [("llama-68m", 8, 16)]  # one fast row; the default small grid is the CLI's
+  res = accel.run(tmp_path, small=True, stages=("machine", "roofline"), roofline_grid=grid)
+  part = res["roofline"]
+  assert "error" not in part, part
+  assert part["skipped_past_budget"] == [] and len(part["rows"]) == 1
+  row = part["rows"][0]
+  assert (row["shape"], row["batch"], row["context"]) == grid[0]
+  # The floor is a correct greedy decode: the engine's T = 0 tokens, every step of them.
+  assert row["minimal_equals_engine_greedy"] is True
+  assert row["tokens_compared"] >= row["rounds"][1]
+  model = synthetic.random_model(dict(accel.SMALL_SHAPES["llama-68m"], max_len=512),
+                                 "bfloat16", 0)
+  r1, r2 = row["rounds"]
+  assert row["bytes_per_step"] == accel.step_bytes(model, 8, 16 + (r1 + r2) // 2)
+  methods = row["methods"]
+  assert list(methods) == ["minimal static", "minimal traced", "engine T=0", "engine T=1"]
+  copy = res["machine"]["copy_gbps"]
+  minimal = methods["minimal static"]["step_ms"]
+  for name, m in methods.items():
+    assert len(m["samples_ms"]) == row["repeats"]
+    assert 0 < m["step_ms_q1"] <= m["step_ms"] <= m["step_ms_q3"], (name, m)
+    assert m["step_ms"] < 1e3  # a tiny model's CPU step: milliseconds, not seconds
+    assert abs(m["gbps"] - row["bytes_per_step"] / m["step_ms"] / 1e6) < 1e-6 * m["gbps"]
+    assert abs(m["fraction_of_copy"] - m["gbps"] / copy) < 1e-9
+    assert abs(m["ratio_to_minimal"] - m["step_ms"] / minimal) < 1e-9
+    assert abs(m["tokens_per_s"] - 8e3 / m["step_ms"]) < 1e-6 * m["tokens_per_s"]
+  assert methods["minimal static"]["ratio_to_minimal"] == 1.0
+  text = (tmp_path / "summary.md").read_text()
+  m = methods["engine T=1"]
+  assert (f"| llama-68m | 8 | 16 | {row['bytes_per_step'] / 1e9:.3f} GB | engine T=1 | "
+          f"{m['step_ms']:.3f} ") in text
+  assert (tmp_path / "accel.json").exists()
+
+
+def test_roofline_refuses_a_bad_grid_row_before_work(tmp_path):
+  res = accel.run(tmp_path, small=True, stages=("roofline",),
+                  roofline_grid=[("gpt-9", 1, 16)])
+  assert "shape must be one of" in res["roofline"]["error"]
