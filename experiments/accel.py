@@ -286,7 +286,7 @@ ROOFLINE_GRID = (("tinyllama-1.1b", 1, 512), ("llama3-8b", 1, 512),
                  ("tinyllama-1.1b", 8, 4096), ("llama3-8b", 8, 4096))
 SMALL_ROOFLINE_GRID = (("tinyllama-1.1b", 1, 32), ("llama3-8b", 8, 64))
 ROOFLINE_METHODS = ("minimal static", "minimal traced", "engine T=0", "engine T=1",
-                    "transformers static compiled")
+                    "transformers static cache")
 
 
 def _minimal_decode(model, backend):
@@ -410,7 +410,7 @@ def roofline_point(model, shape: str, batch: int, context: int, *, rounds=(16, 1
   extra["tokens_compared"] = int(width)
   if peer:
     try:
-      runs["transformers static compiled"], extra["peer"] = _peer_decode(
+      runs["transformers static cache"], extra["peer"] = _peer_decode(
           model, prompts, peer_compiled)
     except ImportError as e:
       extra["peer"] = {"error": f"not run: {e}"}
@@ -496,6 +496,17 @@ def roofline_table(part: dict) -> list[str]:
   for s in part.get("skipped_past_budget", []):
     lines.append(f"| {s['shape']} | {s['batch']} | {s['context']} | skipped: past the budget "
                  "|" + " |" * 7)
+  lines.append("")
+  for r in part["rows"]:
+    same = "yes" if r["minimal_equals_engine_greedy"] else "NO"
+    note = f"- {r['shape']}, batch {r['batch']}, context {r['context']}: minimal decode's " \
+           f"tokens = engine T=0's: {same} ({r['tokens_compared']} per row)"
+    peer = r.get("peer")
+    if peer:
+      note += ("; transformers " + (peer["error"] if "error" in peer else
+               f"{peer['transformers']} / torch {peer['torch']} on {peer['device']}, "
+               f"{'compiled' if peer['compiled'] else 'not compiled (eager)'}"))
+    lines.append(note)
   return lines
 
 
