@@ -318,9 +318,10 @@ def _minimal_decode(model, backend):
   return prefill, jax.jit(loop, static_argnums=4), jax.jit(loop)
 
 
-def _peer_decode(model, prompts, compiled: bool):
-  """run(new_tokens): transformers' greedy `generate` with a static cache on the same
-  weights (bf16, torch's default device: CUDA where it is there); on CUDA, generate
+def _peer_decode(model, prompts, compiled: bool, cache_len: int):
+  """run(new_tokens): transformers' greedy `generate` on the same weights (bf16, on CUDA
+  where it is there) with one static cache of `cache_len` slots for every call (so long
+  and short calls attend over the same buffer, as the engine's do); on CUDA, generate
   compiles the forward itself (its auto-compile for a static cache), elsewhere only with
   `compiled`."""
   import torch
@@ -333,20 +334,22 @@ def _peer_decode(model, prompts, compiled: bool):
     ref = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16).eval()
   state = {}
   for name, array in hf_weights.params_to_hf(model.config, model.params).items():
-    bits = np.ascontiguousarray(np.asarray(array, dtype=jnp.bfloat16)).view(np.int16)
+    bits = np.array(array, dtype=jnp.bfloat16).view(np.int16)  # a writable copy
     state[name] = torch.from_numpy(bits).view(torch.bfloat16)
   missing, unexpected = ref.load_state_dict(state, strict=False)
   if unexpected or [k for k in missing if "lm_head" not in k or not hf_cfg.tie_word_embeddings]:
     raise RuntimeError(f"transformers copy: missing {missing}, unexpected {unexpected}")
   ref.generation_config.eos_token_id = None
   ref.generation_config.pad_token_id = 0
-  gen_kw = dict(do_sample=False, cache_implementation="static")
+  cache = transformers.StaticCache(config=hf_cfg, max_cache_len=cache_len)
+  gen_kw = dict(do_sample=False, past_key_values=cache)
   if compiled and device == "cpu":
     gen_kw["compile_config"] = transformers.CompileConfig(_compile_all_devices=True)
   ids = torch.tensor(np.asarray(prompts), device=device)
 
   def run(new_tokens: int):
     with torch.inference_mode():
+      cache.reset()
       out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                          min_new_tokens=new_tokens, **gen_kw)
     if device == "cuda":
@@ -354,6 +357,11 @@ def _peer_decode(model, prompts, compiled: bool):
     return out
   return run, {"device": device, "compiled": compiled or device == "cuda",
                "transformers": transformers.__version__, "torch": torch.__version__}
+
+
+def _equal_prefix(a, b) -> int:
+  diff = np.nonzero(np.asarray(a) != np.asarray(b))[0]
+  return int(diff[0]) if diff.size else len(a)
 
 
 def _per_step(times_long, times_short, steps):
@@ -399,7 +407,9 @@ def roofline_point(model, shape: str, batch: int, context: int, *, rounds=(16, 1
   out0 = jnp.zeros((batch, r2), jnp.int32)
   runs["minimal static"] = lambda r: loop_static(params, kv0, tok0, out0, r)
   runs["minimal traced"] = lambda r: loop_traced(params, kv0, tok0, out0, jnp.int32(r))
-  # The floor is a correct greedy decode: its tokens are the engine's at T = 0.
+  # The floor is a correct greedy decode: its tokens are the engine's at T = 0, up to the
+  # first near-tie (on random bf16 weights the top two logits can be one bf16 step apart,
+  # and two kernel paths may break it differently): `equal_prefix` says how far they agree.
   minimal_tokens = np.concatenate([np.asarray(tok0)[:, None],
                                    np.asarray(runs["minimal static"](r2))], axis=1)
   state = preps[0.0].run(prepare_lib.seed_key(seed), r2)
@@ -408,12 +418,19 @@ def roofline_point(model, shape: str, batch: int, context: int, *, rounds=(16, 1
   extra["minimal_equals_engine_greedy"] = bool(all(
       np.array_equal(t[:width], m[:width]) for t, m in zip(engine_tokens, minimal_tokens)))
   extra["tokens_compared"] = int(width)
+  extra["equal_prefix"] = int(min(_equal_prefix(t[:width], m[:width])
+                                  for t, m in zip(engine_tokens, minimal_tokens)))
   if peer:
     try:
       runs["transformers static cache"], extra["peer"] = _peer_decode(
-          model, prompts, peer_compiled)
+          model, prompts, peer_compiled, context + r2 + 1)
     except ImportError as e:
       extra["peer"] = {"error": f"not run: {e}"}
+  if "transformers static cache" in runs:
+    theirs = np.asarray(runs["transformers static cache"](r2).cpu())[:, context:]
+    w = min(theirs.shape[1], minimal_tokens.shape[1])
+    extra["peer"]["tokens_equal_minimal"] = bool(np.array_equal(theirs[:, :w],
+                                                                minimal_tokens[:, :w]))
   order = [m for m in ROOFLINE_METHODS if m in runs]
 
   def timed(fn, r):
@@ -498,14 +515,16 @@ def roofline_table(part: dict) -> list[str]:
                  "|" + " |" * 7)
   lines.append("")
   for r in part["rows"]:
-    same = "yes" if r["minimal_equals_engine_greedy"] else "NO"
+    same = ("yes" if r["minimal_equals_engine_greedy"] else
+            f"the first {r['equal_prefix']} in every row (then a near-tie, see roofline_point)")
     note = f"- {r['shape']}, batch {r['batch']}, context {r['context']}: minimal decode's " \
-           f"tokens = engine T=0's: {same} ({r['tokens_compared']} per row)"
+           f"tokens = engine T=0's: {same} (of {r['tokens_compared']} per row)"
     peer = r.get("peer")
     if peer:
       note += ("; transformers " + (peer["error"] if "error" in peer else
                f"{peer['transformers']} / torch {peer['torch']} on {peer['device']}, "
-               f"{'compiled' if peer['compiled'] else 'not compiled (eager)'}"))
+               f"{'compiled' if peer['compiled'] else 'not compiled (eager)'}, greedy tokens "
+               f"= the minimal decode's: {peer['tokens_equal_minimal']}"))
     lines.append(note)
   return lines
 

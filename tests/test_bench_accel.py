@@ -62,6 +62,7 @@ def test_roofline_stage_small_runs_on_the_cpu_and_reports_sane_numbers(tmp_path)
   assert (row["shape"], row["batch"], row["context"]) == grid[0]
   # The floor is a correct greedy decode: the engine's T = 0 tokens, every step of them.
   assert row["minimal_equals_engine_greedy"] is True
+  assert row["equal_prefix"] == row["tokens_compared"]
   assert row["tokens_compared"] >= row["rounds"][1]
   model = synthetic.random_model(dict(accel.SMALL_SHAPES["llama-68m"], max_len=512),
                                  "bfloat16", 0)
@@ -85,6 +86,12 @@ def test_roofline_stage_small_runs_on_the_cpu_and_reports_sane_numbers(tmp_path)
   assert (f"| llama-68m | 8 | 16 | {row['bytes_per_step'] / 1e9:.3f} GB | engine T=1 | "
           f"{m['step_ms']:.3f} ") in text
   assert (tmp_path / "accel.json").exists()
+
+
+def test_equal_prefix_counts_the_leading_tokens_that_agree():
+  assert accel._equal_prefix([1, 2, 3, 4], [1, 2, 5, 4]) == 2
+  assert accel._equal_prefix([1, 2], [1, 2]) == 2
+  assert accel._equal_prefix([7], [1]) == 0
 
 
 def test_roofline_refuses_a_bad_grid_row_before_work(tmp_path):
