@@ -519,7 +519,8 @@ def roofline_table(part: dict) -> list[str]:
   lines.append("")
   for r in part["rows"]:
     same = ("yes" if r["minimal_equals_engine_greedy"] else
-            f"the first {r['equal_prefix']} in every row (then a near-tie, see roofline_point)")
+            f"the first {r['equal_prefix']} in every row, then they part (look for a near-tie, "
+            "roofline_point)")
     note = f"- {r['shape']}, batch {r['batch']}, context {r['context']}: minimal decode's " \
            f"tokens = engine T=0's: {same} (of {r['tokens_compared']} per row)"
     peer = r.get("peer")
