@@ -8,6 +8,7 @@ for gamma_policy='ledger'; this module adds a round inside the compiled loop
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -99,14 +100,18 @@ def call_timer(target, prompts, kwargs: dict) -> Callable[[int], tuple[float, in
   """rounds -> (seconds, rounds run) of a `generate` call stopped after that many rounds.
 
   The call is `generate`'s work: `prepare` (host), the compiled engine's prefill and
-  rounds (`Prepared.run(key, max_rounds)`, the limit traced, so every limit runs the
-  one program the full call compiled) and the fetch of the tokens and stats.
+  rounds (`Prepared.run(key, max_rounds)`, the limit traced, so every limit runs one
+  program: the while loop's, the static trip count dropped) and the fetch of the tokens
+  and stats.
   """
-  _prepare(target, prompts, kwargs).run(jax.random.PRNGKey(0), 1)  # compile, if not yet
+  # Without the static trip count a call running the whole budget would take (`Prepared.
+  # rounds`): 1 and R rounds then run one program, the while loop's.
+  prepared = lambda: dataclasses.replace(_prepare(target, prompts, kwargs), rounds=None)
+  prepared().run(jax.random.PRNGKey(0), 1)  # compile, if not yet
 
   def call(rounds: int) -> float:
     start = time.perf_counter()
-    args = _prepare(target, prompts, kwargs)
+    args = prepared()
     state = args.run(jax.random.PRNGKey(0), rounds)
     results.fetch(state, args.engine.gamma)  # what generate fetches
     # Fewer rounds than asked when every row is done first (EOS, a stop sequence).

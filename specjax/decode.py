@@ -1,4 +1,4 @@
-"""The jitted decode engine: prefill, then one `lax.while_loop` over rounds.
+"""The jitted decode engine: prefill, then the rounds in compiled loops (`run_loop`).
 
 One round (γ ≥ 0; γ = 0 is plain autoregressive decoding), numbered as in
 docs/ARCHITECTURE.md:
@@ -72,6 +72,25 @@ class Engine:
   # but on a CPU, where unrolled loops compile slower and run no faster); the same
   # numbers either way.
   unroll_walk: bool | None = None
+  # Rounds between the loop's tests of `done` (`run_loop`): an inner loop of this many
+  # rounds, in which a finished row commits nothing. None: by platform (`check_period`).
+  check_every: int | None = None
+
+  def __post_init__(self):
+    if self.check_every is not None and (
+        isinstance(self.check_every, bool) or not isinstance(self.check_every, int)
+        or self.check_every < 1):
+      raise ValueError(f"check_every must be an int >= 1 or None, got {self.check_every!r}")
+
+  @property
+  def check_period(self) -> int:
+    """`check_every`, or by platform: 1 on a CPU, where a test of `done` costs nothing
+    (no device to wait for) and each round run past the last row's end is a real
+    forward; 8 elsewhere, where XLA brings a while loop's predicate to the host every
+    iteration: 8 rounds per wait, at most 7 rounds run past the end of a call."""
+    if self.check_every is not None:
+      return self.check_every
+    return 1 if jax.default_backend() == "cpu" else 8
 
   @property
   def gamma(self) -> int:
@@ -389,28 +408,58 @@ def _shared(weights: Weights, target_out, draft_out):
 NO_ROUND_LIMIT = 2 ** 31 - 1
 
 
+def _live_round(engine: Engine, weights: Weights, state: DecodeState,
+                sampling: Sampling) -> DecodeState:
+  """`decode_round`, counted only where some row is still running: a round after every
+  row is done (inside `run_loop`'s inner loop) changes nothing the caller reads. Its
+  finished rows commit nothing (tokens, n, logprobs, stats, done, stopped as they were);
+  the batch's counters, the key and the policy's carry are kept as they were here."""
+  new = distribute.constrain(engine, decode_round(engine, weights, state, sampling))
+  live = ~jnp.all(state.done)
+  keep = lambda a, b: None if a is None else jnp.where(live, a, b)
+  return new.replace(target_calls=state.target_calls + live.astype(jnp.int32),
+                     key=keep(new.key, state.key),
+                     draft_len=keep(new.draft_len, state.draft_len),
+                     draft_steps=keep(new.draft_steps, state.draft_steps))
+
+
 def run_loop(engine: Engine, weights: Weights, state: DecodeState, sampling: Sampling,
-             max_rounds=NO_ROUND_LIMIT):
-  """All rounds in one while_loop; no host sync until every row is done.
+             max_rounds=NO_ROUND_LIMIT, rounds: int | None = None):
+  """Every round in compiled loops; no host sync until every row is done.
 
   max_rounds (traced) stops the loop earlier: `costs.call_costs` times the compiled
-  engine for 1 and R rounds without compiling another program.
+  engine for 1 and R rounds without compiling another program; no loop runs a round
+  past it. rounds (static): the host knows every row ends within exactly this many
+  rounds and nothing ends one earlier (`Prepared.rounds`): one loop of that trip count,
+  with no predicate to test (the caller passes it only where max_rounds ≥ rounds).
+  Otherwise a while loop tests `done` once every `engine.check_period` rounds (an inner
+  loop of that static count); the last rounds before max_rounds, fewer than a period,
+  run one test each.
   """
-  return jax.lax.while_loop(
-      lambda s: ~jnp.all(s.done) & (s.target_calls < max_rounds),
-      lambda s: distribute.constrain(engine, decode_round(engine, weights, s, sampling)), state)
+  step = lambda s: _live_round(engine, weights, s, sampling)
+  if rounds is not None:
+    return jax.lax.fori_loop(0, rounds, lambda i, s: step(s), state)
+  period = engine.check_period
+  running = lambda s: ~jnp.all(s.done) & (s.target_calls < max_rounds)
+  if period > 1:
+    state = jax.lax.while_loop(
+        lambda s: ~jnp.all(s.done) & (s.target_calls <= max_rounds - period),
+        lambda s: jax.lax.fori_loop(0, period, lambda i, c: step(c), s), state)
+  return jax.lax.while_loop(running, step, state)
 
 
-@functools.partial(jax.jit, static_argnames=("engine", "prompt_width", "cache_size"))
+@functools.partial(jax.jit, static_argnames=("engine", "prompt_width", "cache_size", "rounds"))
 def decode(engine: Engine, prompt_width: int, cache_size: int, weights: Weights, tokens,
-           prompt_len, sampling: Sampling, key, max_rounds=NO_ROUND_LIMIT) -> DecodeState:
-  """Prefill + every round (at most max_rounds), compiled once per (engine, shapes)."""
+           prompt_len, sampling: Sampling, key, max_rounds=NO_ROUND_LIMIT,
+           rounds: int | None = None) -> DecodeState:
+  """Prefill + every round (at most max_rounds), compiled once per (engine, shapes).
+  rounds (static): `run_loop`'s static trip count, where the host knows it."""
   # Once per call, outside the loop: XLA does not hoist the copy out of it.
   weights = cpu_layout(engine, weights)
   state = prefill(engine, weights, tokens, prompt_len, prompt_width, cache_size, key,
                   sampling)
   return run_loop(engine, weights, distribute.constrain(engine, state), sampling,
-                  jnp.asarray(max_rounds, jnp.int32))
+                  jnp.asarray(max_rounds, jnp.int32), rounds)
 
 
 @functools.partial(jax.jit, static_argnames=("engine", "prompt_width", "cache_size"))

@@ -77,6 +77,9 @@ class Prepared:
   sampling: Sampling
   stops: StopList | None = None  # on the host: names what ended each row (stop_reasons)
   rows: int | None = None  # on a mesh: the caller's rows (the rest is padding)
+  # The rounds the call runs where nothing can end a row early (`fixed_rounds`), else
+  # None: `run` then compiles a loop of that static trip count.
+  rounds: int | None = None
 
   @property
   def mesh(self):
@@ -123,10 +126,27 @@ class Prepared:
     return state if self.mesh is None else distribute_lib.collect(state, self.rows)
 
   def run(self, key, max_rounds: int = decode_lib.NO_ROUND_LIMIT) -> decode_lib.DecodeState:
-    # A Python int like decode's default: every limit shares one program (it is traced).
+    # A Python int like decode's default: every limit shares one program (it is traced);
+    # a static trip count only where the limit cuts none of its rounds.
+    rounds = self.rounds if self.rounds is not None and max_rounds >= self.rounds else None
     return self.finish(decode_lib.decode(
         self.engine, self.prompt_width, self.cache_size, self.laid_out, self.tokens,
-        self.prompt_len, self.sampling, self._key(key), int(max_rounds)))
+        self.prompt_len, self.sampling, self._key(key), int(max_rounds), rounds=rounds))
+
+
+def fixed_rounds(drafter, pcfg, stop_lens, max_new: int, max_len: int, prompt_len,
+                 cache_size: int) -> int | None:
+  """The rounds a decode runs where the host knows them, else None: target-only (one
+  token a round), no EOS or stop sequence, no processor that can ban every token or
+  finish a constraint or match stop strings, one budget for every row. Each row then
+  commits one token a round until `state.room_left` is used up; the loop runs until the
+  last row's end."""
+  if (not isinstance(drafter, drafters_lib.NoDrafter) or np.any(np.asarray(stop_lens) > 0)
+      or pcfg.bans or pcfg.constraint or pcfg.stop_text):
+    return None
+  prompt_len = np.asarray(prompt_len, np.int64)
+  room = np.minimum(np.minimum(max_new, max_len - prompt_len), cache_size - 1 - prompt_len)
+  return int(max(1, room.max()))  # a row with no room still takes its one round
 
 
 def seed_key(seed: int):
@@ -232,7 +252,9 @@ def _on_one_device(target: Model, prompts, given: params_lib.Params) -> Prepared
                                logprobs_mode=out.logprobs_mode, samples=n),
       weights=decode_lib.Weights(target=target.params, draft=draft_params),
       prompt_width=prompt_width, cache_size=cache_size, tokens=tokens,
-      prompt_len=prompt_len, sampling=sampling, stops=stop_list)
+      prompt_len=prompt_len, sampling=sampling, stops=stop_list,
+      rounds=fixed_rounds(drafter, pcfg, stop_lens, max_new_tokens, max_len, prompt_len,
+                          cache_size))
 
 
 def distribute(prepared: Prepared, mesh, shard_draft: bool = False) -> Prepared:
@@ -266,4 +288,4 @@ def distribute(prepared: Prepared, mesh, shard_draft: bool = False) -> Prepared:
       tokens=sharding.put(distribute_lib.pad_rows(prepared.tokens, extra), rows),
       prompt_len=sharding.put(distribute_lib.pad_rows(prepared.prompt_len, extra), rows),
       sampling=distribute_lib.place_sampling(prepared.sampling, extra, mesh),
-      stops=prepared.stops, rows=batch)
+      stops=prepared.stops, rows=batch, rounds=prepared.rounds)  # padding: copied rows
