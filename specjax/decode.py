@@ -75,12 +75,26 @@ class Engine:
   # Rounds between the loop's tests of `done` (`run_loop`): an inner loop of this many
   # rounds, in which a finished row commits nothing. None: by platform (`check_period`).
   check_every: int | None = None
+  # Where the host knows the rounds (`Prepared.rounds`), run a loop of that static trip
+  # count (True) or the while loop (False); None: by platform (`static_trip_count`).
+  static_trip: bool | None = None
 
   def __post_init__(self):
     if self.check_every is not None and (
         isinstance(self.check_every, bool) or not isinstance(self.check_every, int)
         or self.check_every < 1):
       raise ValueError(f"check_every must be an int >= 1 or None, got {self.check_every!r}")
+    if not (self.static_trip is None or isinstance(self.static_trip, bool)):
+      raise ValueError(f"static_trip must be True, False or None, got {self.static_trip!r}")
+
+  @property
+  def static_trip_count(self) -> bool:
+    """`static_trip`, or by platform: off on a CPU, where the while loop's test costs
+    nothing and a static count would compile a program per budget (the count is the
+    budget); on elsewhere, where it saves the host a wait per round."""
+    if self.static_trip is not None:
+      return self.static_trip
+    return jax.default_backend() != "cpu"
 
   @property
   def check_period(self) -> int:

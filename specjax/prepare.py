@@ -78,7 +78,8 @@ class Prepared:
   stops: StopList | None = None  # on the host: names what ended each row (stop_reasons)
   rows: int | None = None  # on a mesh: the caller's rows (the rest is padding)
   # The rounds the call runs where nothing can end a row early (`fixed_rounds`), else
-  # None: `run` then compiles a loop of that static trip count.
+  # None: `run` then compiles a loop of that static trip count where the engine says so
+  # (`Engine.static_trip_count`).
   rounds: int | None = None
 
   @property
@@ -128,7 +129,8 @@ class Prepared:
   def run(self, key, max_rounds: int = decode_lib.NO_ROUND_LIMIT) -> decode_lib.DecodeState:
     # A Python int like decode's default: every limit shares one program (it is traced);
     # a static trip count only where the limit cuts none of its rounds.
-    rounds = self.rounds if self.rounds is not None and max_rounds >= self.rounds else None
+    rounds = self.rounds if (self.rounds is not None and max_rounds >= self.rounds
+                             and self.engine.static_trip_count) else None
     return self.finish(decode_lib.decode(
         self.engine, self.prompt_width, self.cache_size, self.laid_out, self.tokens,
         self.prompt_len, self.sampling, self._key(key), int(max_rounds), rounds=rounds))

@@ -45,20 +45,24 @@ CASES = {
 }
 
 
-def _prepared(pair, check_every, kw, max_new=9):
+def _with(p, check_every, static=True):
+  # static: the static trip count where the host knows the rounds (off by default on a
+  # CPU; on here, so the tests run it).
+  return dataclasses.replace(p, engine=dataclasses.replace(
+      p.engine, check_every=check_every, static_trip=static))
+
+
+def _prepared(pair, check_every, kw, max_new=9, static=True):
   target, draft = pair
   kw = dict(kw)
   if kw.get("draft") == "draft":
     kw["draft"] = draft
-  p = prepare(target, PROMPTS, max_new_tokens=max_new, **kw)
-  return dataclasses.replace(p, engine=dataclasses.replace(p.engine, check_every=check_every))
+  return _with(prepare(target, PROMPTS, max_new_tokens=max_new, **kw), check_every, static)
 
 
 def _result(pair, check_every, kw, max_rounds=decode_lib.NO_ROUND_LIMIT, seed=7,
             static=True):
-  p = _prepared(pair, check_every, kw)
-  if not static:
-    p = dataclasses.replace(p, rounds=None)
+  p = _prepared(pair, check_every, kw, static=static)
   state = p.run(seed_key(seed), max_rounds)
   return build_result(pair[0], p.engine, state, p.stops), int(state.target_calls)
 
@@ -118,8 +122,9 @@ def test_the_static_trip_count_is_what_the_loop_needs(pair):
   target = tiny_model(vocab=8, seed=3, max_len=16)
   q = prepare(target, [[1] * 10, [2]], max_new_tokens=6)
   assert q.rounds == 6
-  state = q.run(seed_key(0))
-  assert int(state.target_calls) == 6 and list(np.asarray(state.n)) == [16, 7]
+  for static in (True, False):
+    state = _with(q, 1, static).run(seed_key(0))
+    assert int(state.target_calls) == 6 and list(np.asarray(state.n)) == [16, 7]
 
 
 def _loop_hlo(pair, check_every, kw, rounds):
@@ -152,6 +157,12 @@ def test_check_every_is_checked():
   for bad in (0, -2, 1.5, True, "4"):
     with pytest.raises(ValueError, match="check_every"):
       decode_lib.Engine(target=cfg, drafter=NoDrafter(8), check_every=bad)
+  for bad in (0, 1, "yes"):
+    with pytest.raises(ValueError, match="static_trip"):
+      decode_lib.Engine(target=cfg, drafter=NoDrafter(8), static_trip=bad)
   engine = decode_lib.Engine(target=cfg, drafter=NoDrafter(8))
-  assert engine.check_period == (1 if jax.default_backend() == "cpu" else 8)
+  on_cpu = jax.default_backend() == "cpu"
+  assert engine.check_period == (1 if on_cpu else 8)
+  assert engine.static_trip_count == (not on_cpu)
   assert dataclasses.replace(engine, check_every=5).check_period == 5
+  assert dataclasses.replace(engine, static_trip=True).static_trip_count
