@@ -1,16 +1,22 @@
 """The cached forward is the full forward, however it is fed and rolled back."""
 
 
+import dataclasses
+
 import chex
+import pytest
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import parameterized
 
 import specjax
+from specjax import backends
 from specjax.models import kv_cache
 from specjax.models import layers
 from specjax.models import model as model_lib
+from specjax.prepare import prepare, seed_key
+from specjax.results import build_result
 from conftest import tiny_model
 
 CONFIGS = {
@@ -96,6 +102,46 @@ class CachedForwardTest(parameterized.TestCase):
     self.assertTrue(bool(jnp.all(jnp.isfinite(outs[0]))))
     chex.assert_trees_all_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
 
+  @parameterized.named_parameters(("step", 1, False), ("chain", 3, False), ("tree", 4, True))
+  def test_writing_first_attends_alike(self, t, tree):
+    # The accelerators' order (the new K/V written, then one masked attention over the
+    # buffers) against the CPU's (the cache read, then the chunk): GQA, NaN stale slots,
+    # rows at different lengths, a tree's chunk and slot masks.
+    keys = jax.random.split(jax.random.PRNGKey(6), 6)
+    b, h, kvh, d, s = 2, 4, 2, 8, 12
+    q = jax.random.normal(keys[0], (b, t, h, d))
+    k, v = (jax.random.normal(keys[i], (b, t, kvh, d)) for i in (1, 2))
+    length = jnp.array([3, 7])
+    stale = jnp.arange(s)[None, None, :, None] >= length[:, None, None, None]
+    k_buf, v_buf = (jnp.where(stale, jnp.nan, jax.random.normal(keys[i], (b, kvh, s, d)))
+                    for i in (3, 4))
+    mask = None
+    if tree:  # nodes 0 <- 1, 0 <- 2 <- 3; the history's slots seen but slot 1 of row 0
+      chunk = jnp.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], bool)
+      slots = jnp.broadcast_to(jnp.arange(s)[None, None, :] < length[:, None, None], (b, t, s))
+      mask = (chunk, slots.at[0, :, 1].set(False))
+    want = layers.attend(q, k, v, (k_buf, v_buf, length), mask)
+    got = layers.attend_written(q, kv_cache.write(k_buf, k, length),
+                                kv_cache.write(v_buf, v, length), length, mask)
+    self.assertTrue(bool(jnp.all(jnp.isfinite(got))))
+    chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-5)
+
+  @parameterized.named_parameters(("gpt2", "gpt2"), ("llama_gqa", "llama_gqa"))
+  def test_writing_first_equals_full_forward(self, name):
+    # The model's cached pass in the accelerators' order, forced on here.
+    model = tiny_model(**CONFIGS[name])
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (3, 20), 0, 16)
+    full = model.logits(tokens)
+    kv = kv_cache.init_kv(model.config, 3, 32)
+    outs = []
+    with backends.use(backends.select(backends.Options(write_first=True))):
+      for start, size in ((0, 3), (3, 1), (4, 7), (11, 9)):
+        logits, kv = model_lib.forward_cached(model.graphdef, model.params,
+                                              tokens[:, start:start + size], kv)
+        outs.append(logits)
+    chex.assert_trees_all_close(jnp.concatenate(outs, axis=1), full, atol=2e-5, rtol=2e-5)
+    np.testing.assert_array_equal(kv.length, [20, 20, 20])
+
   def test_writes_past_the_buffer_are_dropped(self):
     buf = jnp.zeros((2, 4), jnp.int32)
     out = kv_cache.write(buf, jnp.array([[1, 2, 3], [4, 5, 6]]), jnp.array([0, 2]))
@@ -138,3 +184,22 @@ class ConfigTest(parameterized.TestCase):
     model = tiny_model(max_len=8)
     with self.assertRaisesRegex(ValueError, "max_len"):
       model.logits(jnp.zeros((1, 9), jnp.int32))
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(gamma=3), dict(tree=(2, 1))])
+def test_engine_writing_first_changes_no_token(kw):
+  # The decode (prefill, verify passes of a chain and of a tree, rollback) in the
+  # accelerators' order gives the CPU order's tokens and logprobs at T = 0.
+  target, draft = tiny_model(vocab=8, seed=3), tiny_model(vocab=8, d_model=16, seed=5)
+  if kw:
+    kw = dict(kw, draft=draft)
+  outs = []
+  for first in (False, True):
+    p = prepare(target, [[1, 2, 3], [4, 5]], max_new_tokens=8, temperature=0.0,
+                logprobs=True, **kw)
+    options = backends.Options(kernels=False, write_first=first)
+    p = dataclasses.replace(p, engine=dataclasses.replace(p.engine, backend_options=options))
+    outs.append(build_result(target, p.engine, p.run(seed_key(0)), p.stops))
+  assert outs[0].tokens == outs[1].tokens
+  flat = lambda r: [x for row in r.logprobs for x in row]
+  np.testing.assert_allclose(flat(outs[1]), flat(outs[0]), atol=1e-5)

@@ -49,6 +49,10 @@ class Options:
   # Weights that hold only bfloat16 values get bfloat16 panels before a call
   # (`CpuBackend.host_layout`); False: float32 panels.
   bf16_panels: bool = True
+  # A cached pass writes its new K/V first, then runs one masked attention over the
+  # buffers (`layers.attend_written`); None: off a CPU only (`Backend.writes_first`).
+  # The one field that acts off a CPU.
+  write_first: bool | None = None
 
 
 class LayerWeights(NamedTuple):
@@ -75,6 +79,15 @@ class Backend:
   def kernels(self) -> bool:
     """Whether specjax's kernels run this backend's ops."""
     return False
+
+  @property
+  def writes_first(self) -> bool:
+    """Whether a cached pass (not fused) writes its K/V before attending
+    (`Options.write_first`; by platform: not on a CPU, where XLA then copied both caches
+    every step, docs/ARCHITECTURE.md "Attention reads the cache, then writes it")."""
+    if self.options.write_first is not None:
+      return self.options.write_first
+    return jax.default_backend() != "cpu"
 
   # --- the weights' layout -------------------------------------------------------
 

@@ -115,6 +115,33 @@ def attend(q, k, v, cache=None, mask=None, rows_apart=False, values_left=False):
   return out.reshape(b, t, h * d)
 
 
+def attend_written(q, k_buf, v_buf, length, mask=None):
+  """`attend` after the T new keys and values were written at slots length..length+T-1:
+  one masked attention over the buffers [B, KVH, S, D] instead of a product over the
+  cache, one over the chunk, their concatenation and a second sum. mask as `attend`'s;
+  slots at or past length + T (stale) are never seen and their V is zeroed (NaN-safe).
+  The accelerators' order (`Backend.writes_first`); on XLA:CPU writing first made it
+  copy both caches every step."""
+  b, t, h, d = q.shape
+  kvh, s = k_buf.shape[1], k_buf.shape[2]
+  qg = q.reshape(b, t, kvh, h // kvh, d) * (d ** -0.5)
+  slot = jnp.arange(s)[None, None, :]  # [1, 1, S]
+  old = slot < length[:, None, None]  # the history, before this chunk
+  u = slot - length[:, None, None]  # this chunk's token at the slot
+  in_chunk = (u >= 0) & (u < t)
+  chunk, slots = (jnp.tril(jnp.ones((t, t), bool)), None) if mask is None else mask
+  rows = jnp.arange(t)[None, :, None]
+  seen_chunk = in_chunk & chunk[rows, jnp.clip(u, 0, t - 1)]  # [B, T, S]
+  seen_old = old if slots is None else old & slots
+  seen = seen_old | seen_chunk
+  valid = jnp.any(seen, axis=1)  # [B, S]: seen by some query
+  v_buf = jnp.where(valid[:, None, :, None], v_buf, 0.0)
+  scores = jnp.einsum("btkgd,bksd->bkgts", qg, k_buf)
+  scores = jnp.where(seen[:, None, None], scores, -1e30)
+  weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v_buf.dtype)
+  return jnp.einsum("bkgts,bksd->btkgd", weights, v_buf).reshape(b, t, h * d)
+
+
 def _weighted_cache(weights, v_buf, values_left=False):
   """Σ_s weights[b, k, g, t, s] · v_buf[b, k, s, :] -> [B, T, KVH, G, D].
 

@@ -25,7 +25,8 @@ from specjax import backends
 from specjax.models import kv_cache
 from specjax.models import quantization
 from specjax.models.config import ModelConfig
-from specjax.models.layers import attend, rope, rope_angles, rope_frequencies, split_fused
+from specjax.models.layers import (attend, attend_written, rope, rope_angles, rope_frequencies,
+                                   split_fused)
 
 Params = dict[str, Any]
 
@@ -120,6 +121,10 @@ class Attention(nnx.Module):
       q, k = rope(q, positions, freqs), rope(k, positions, freqs)
     if cache is None:
       return self.out(attend(q, k, v, mask=mask)), None
+    if read_cache and backend.writes_first:  # one masked attention over the buffers
+      k_buf, v_buf, length = cache
+      k_buf, v_buf = kv_cache.write(k_buf, k, length), kv_cache.write(v_buf, v, length)
+      return self.out(attend_written(q, k_buf, v_buf, length, mask)), (k_buf, v_buf)
     out = backend.attend(attend, q, k, v, cache if read_cache else None, mask,
                          laid_out=backend.laid_out(self.qkv.kernel[...]))
     k_buf, v_buf, length = cache
