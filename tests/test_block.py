@@ -182,9 +182,9 @@ def filtered_law(model, prompt, length, temperature, top_k, top_p):
   return np.prod(steps, axis=0)
 
 
-def _eagle(target):
+def _head(target, kind="eagle"):
   from test_heads import random_head
-  return random_head(target, "eagle")
+  return random_head(target, kind)
 
 
 ENGINE = {  # name: (generate's arguments, T, top-k, top-p)
@@ -193,6 +193,7 @@ ENGINE = {  # name: (generate's arguments, T, top-k, top-p)
     "ngram_g3": (dict(gamma=3, drafter="ngram"), 1.0, 0, 1.0),
     "model_top_k_top_p_g3": (dict(gamma=3), 0.8, 5, 0.9),
     "eagle_g3": (dict(gamma=3, draft="eagle"), 1.0, 0, 1.0),
+    "medusa_g2": (dict(gamma=2, draft="medusa"), 1.0, 0, 1.0),
     "heuristic_g3": (dict(gamma=3, gamma_policy="heuristic"), 1.0, 0, 1.0),
 }
 
@@ -205,8 +206,8 @@ class EngineLawTest(parameterized.TestCase):
     spec, temperature, top_k, top_p = ENGINE[name]
     target, draft = target_and_draft()
     spec = dict(spec)
-    if spec.get("draft") == "eagle":
-      spec["draft"] = _eagle(target)
+    if spec.get("draft") in ("eagle", "medusa"):
+      spec["draft"] = _head(target, spec["draft"])
     elif spec.get("drafter") != "ngram":
       spec["draft"] = draft
     prompt, length = [3, 1, 3], 3
@@ -234,6 +235,24 @@ class EngineLawTest(parameterized.TestCase):
     self.assertGreater(res.stats["rounds"], LAW_ROWS)
 
 
+  def test_constraint(self):
+    from test_processors import EOS, PROMPT, exact_law, law_check
+    from specjax.processors import constraints
+    # test_processors' automaton: tokens 0-3 then anything; 4 only after a 0; 6, 7 never.
+    nxt = np.full((3, 8), constraints.DEAD)
+    nxt[0, [0, 1, 2, 3]] = [1, 2, 2, 2]
+    nxt[1, [4, 1]] = [2, 2]
+    nxt[2, [0, 1, 2, 3]] = 2
+    automaton = constraints.TokenAutomaton(next=nxt, accept=np.array([False, False, True]))
+    target, draft = target_and_draft()
+    law = exact_law(target, PROMPT, 3, 1.0, {}, automaton)
+    res = specjax.generate(target, [PROMPT] * LAW_ROWS, max_new_tokens=3, temperature=1.0,
+                           seed=3, gamma=2, draft=draft, constraint=automaton, eos_id=EOS,
+                           verify_rule="block")
+    ok, worst = law_check(law, res.tokens, 3)
+    self.assertTrue(ok, f"worst z={worst}")
+
+
 class GreedyTest(parameterized.TestCase):
 
   @parameterized.parameters(("model", 3), ("model_greedy", 3), ("ngram", 3), ("eagle", 2),
@@ -243,7 +262,7 @@ class GreedyTest(parameterized.TestCase):
     draft = tiny_model(vocab=16, d_model=16, n_layers=1, seed=4)
     kw = {"ngram": dict(drafter="ngram"), "model": dict(draft=draft),
           "model_greedy": dict(draft=draft, draft_sample="greedy"),
-          "eagle": dict(draft=_eagle(target)),
+          "eagle": dict(draft=_head(target)),
           "heuristic": dict(draft=draft, gamma_policy="heuristic")}[drafter]
     res = specjax.generate(target, PROMPTS, max_new_tokens=12, gamma=gamma,
                            verify_rule="block", **kw)
