@@ -3,12 +3,13 @@
   python -m experiments.rules                       # model + EAGLE, γ = 2, 4, 6, T = 0.7, 1
   python -m experiments.rules --drafter=model --gamma=4 --temperature=1.0 --repeats=5
 
-For each drafter, γ and temperature, both rules decode the same held-out prompts with the
-same seeds (one prompt a call, the order of the two flipping from call to call). Printed
-(and written as JSON lines with --out): tokens per target call of each rule (pooled over
-the calls), the quartiles of the per-call ratio block / exact of tokens per target call,
-and of the round's time (call time / rounds; includes prefill, so a round ratio is of
-whole calls spread over their rounds).
+For each drafter, γ and temperature: one batched call per rule over --batch_prompts
+held-out prompts (the same prompts and seed) counts tokens per target call, with its
+standard error from the committed-per-round histogram (the rules draw their randomness
+differently, so the two counts are independent samples); then both rules decode
+--num_prompts prompts one a call with the same seeds, the order of the two flipping from
+call to call, for the quartiles of the per-call ratio block / exact of the round's time
+(call time / rounds; prefill included). Printed, and written as JSON lines with --out.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ _PROMPTS = flags.DEFINE_integer("num_prompts", 4, "Held-out prompts (one a call)
 _PROMPT_TOKENS = flags.DEFINE_integer("prompt_tokens", 32, "Tokens per prompt.")
 _NEW = flags.DEFINE_integer("max_new_tokens", 48, "New tokens per call.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed passes over the prompts.")
+_BATCH = flags.DEFINE_integer("batch_prompts", 64, "Prompts of the one batched call per "
+                              "rule that counts tokens per target call (0: none).")
 _OUT = flags.DEFINE_string("out", None, "JSON-lines file for the rows.")
 
 RULES = ("exact", "block")
@@ -59,6 +62,27 @@ def compare(target, prompts, kw: dict, repeats: int) -> dict:
                                                           round_s["exact"])]))
 
 
+def per_call(stats: dict) -> tuple[float, float]:
+  """(tokens per target call, its standard error) from the committed-per-round histogram."""
+  hist = stats["committed_hist"]
+  n = sum(hist)
+  mean = sum(k * c for k, c in enumerate(hist)) / n
+  var = sum(c * (k - mean) ** 2 for k, c in enumerate(hist)) / max(n - 1, 1)
+  return mean, (var / n) ** 0.5
+
+
+def counted(target, prompts, kw: dict) -> dict:
+  """One batched call per rule (the same prompts and seed): tokens per target call with
+  its standard error, and block − exact with the error of the difference."""
+  out = {rule: per_call(specjax.generate(target, prompts, seed=0, verify_rule=rule,
+                                         **kw).stats) for rule in RULES}
+  gain = out["block"][0] - out["exact"][0]
+  return dict(batched={rule: {"mean": round(m, 4), "se": round(e, 4)}
+                       for rule, (m, e) in out.items()},
+              batched_gain=round(gain, 4),
+              batched_gain_se=round((out["block"][1] ** 2 + out["exact"][1] ** 2) ** 0.5, 4))
+
+
 def main(argv):
   del argv
   rows = []
@@ -67,17 +91,27 @@ def main(argv):
       target, _, kw = common.drafter_pair("stdlib-target", drafter, None, gamma)
       prompts = common.heldout_prompts(target.tokenizer, "stdlib", _PROMPTS.value,
                                        _PROMPT_TOKENS.value)
+      many = (common.heldout_prompts(target.tokenizer, "stdlib", _BATCH.value,
+                                     _PROMPT_TOKENS.value, seed=1) if _BATCH.value else None)
       for temperature in map(float, _TEMPS.value):
-        out = compare(target, prompts, dict(kw, temperature=temperature,
-                                            max_new_tokens=_NEW.value), _REPEATS.value)
+        run_kw = dict(kw, temperature=temperature, max_new_tokens=_NEW.value)
+        out = compare(target, prompts, run_kw, _REPEATS.value) if _REPEATS.value else {}
+        if many:
+          out.update(counted(target, many, run_kw))
         row = dict(drafter=drafter, gamma=gamma, temperature=temperature, **out)
         rows.append(row)
-        q, r = out["calls_ratio"], out["round_ratio"]
-        print(f"{drafter:6s} γ={gamma} T={temperature}: tokens/call exact "
-              f"{out['tokens_per_call']['exact']:.3f} block {out['tokens_per_call']['block']:.3f}"
-              f"; per call block/exact {q['median']:.3f} [{q['q1']:.3f}, {q['q3']:.3f}]"
-              f"; round time block/exact {r['median']:.3f} [{r['q1']:.3f}, {r['q3']:.3f}]",
-              flush=True)
+        line = f"{drafter:6s} γ={gamma} T={temperature}:"
+        if many:
+          b = out["batched"]
+          line += (f" batched tokens/call exact {b['exact']['mean']:.3f} ± {b['exact']['se']:.3f}"
+                   f" block {b['block']['mean']:.3f} ± {b['block']['se']:.3f}, gain "
+                   f"{out['batched_gain']:+.3f} ± {out['batched_gain_se']:.3f};")
+        if _REPEATS.value:
+          q, r = out["calls_ratio"], out["round_ratio"]
+          line += (f" paired calls: tokens/call block/exact {q['median']:.3f} [{q['q1']:.3f}, "
+                   f"{q['q3']:.3f}], round time block/exact {r['median']:.3f} [{r['q1']:.3f}, "
+                   f"{r['q3']:.3f}]")
+        print(line, flush=True)
   if _OUT.value:
     with open(_OUT.value, "w") as f:
       for row in rows:
