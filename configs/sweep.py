@@ -6,7 +6,8 @@
 
 Variants: '' (default: 18 points on the shipped pair, each timed against target-only), 'smoke'
 (about a minute on 2 cores; the test suite runs it), 'full' (a larger grid for a GPU/TPU runtime),
-'gpt2' (a public pair from local Hugging Face directories or the hub; see docs/HF.md),
+'rules' (the exact and block rules side by side: model and EAGLE drafters, γ = 2, 4, 6,
+T = 0.7 and 1.0), 'gpt2' (a public pair from local Hugging Face directories or the hub; see docs/HF.md),
 'llama3', 'qwen3', 'qwen25' (larger public pairs by hub id, for a GPU/TPU runtime; see
 docs/HF.md for memory, gated repositories and local copies).
 """
@@ -47,7 +48,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.no_repeat_ngram_size = (0,)
   # Draft length policy and verify rule (specjax.policies, specjax.verify.rules), e.g.
   # --config.gamma_policy='("fixed","heuristic","ledger")' --config.verify_rule='("exact","typical")'.
-  # Only the 'exact' rule is lossless; rows carry `lossless`.
+  # Only 'exact' and 'block' are lossless; rows carry `lossless`.
   c.gamma_policy = ("fixed",)
   c.verify_rule = ("exact",)
   c.draft_confidence = 0.4  # for gamma_policy 'confidence'
@@ -83,6 +84,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.cost_rounds = 2
     c.trees = ((2, 1),)
     c.call_costs = False  # 8 tokens: too few rounds to time (test_experiments turns it on)
+  elif variant == "rules":  # issue #51: block against token-level verification, paired
+    c.drafter = ("model", "eagle")
+    c.verify_rule = ("exact", "block")
+    c.gamma = (2, 4, 6)
+    c.temperature = (0.7, 1.0)
   elif variant == "full":
     c.gamma = (1, 2, 3, 4, 5, 6, 8, 10, 12)
     c.temperature = (0.0, 0.3, 0.7, 1.0, 1.3)
@@ -113,5 +119,5 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.max_new_tokens = 128
   elif variant:
     raise ValueError(f"unknown configs/sweep.py variant {variant!r}; "
-                     f"known: '', 'smoke', 'full', 'gpt2', {', '.join(map(repr, HUB_PAIRS))}")
+                     f"known: '', 'smoke', 'rules', 'full', 'gpt2', {', '.join(map(repr, HUB_PAIRS))}")
   return c

@@ -86,8 +86,8 @@ def validate(cfg) -> None:
     if p not in policies.POLICIES:
       fail("gamma_policy", f"policies are {policies.POLICIES}")
   for r in cfg.verify_rule:
-    if r not in ("exact", "typical", "threshold"):
-      fail("verify_rule", "the sweep runs 'exact', 'typical' and 'threshold' (with their "
+    if r not in ("exact", "block", "typical", "threshold"):
+      fail("verify_rule", "the sweep runs 'exact', 'block', 'typical' and 'threshold' (with their "
            "default settings; 'synthetic' is experiments.bench --part=synthetic's)")
   if "confidence" in cfg.gamma_policy and not 0 < cfg.draft_confidence < 1:
     fail("draft_confidence", "must be in (0, 1)")

@@ -82,8 +82,10 @@ class SpeculationParams:
     (k_1, ..., k_d) or Medusa-style paths of child ranks, e.g. [(0,), (1,), (0, 0)].
   draft_sample: 'probabilistic' (sample from q) or 'greedy' (argmax, one-hot q).
   ngram_min, ngram_max: the suffix lengths prompt lookup tries.
-  verify_rule: 'exact' (lossless, the default) or a research rule that is not lossless:
-    'typical', 'threshold', 'synthetic' (`specjax.verify.rules`; stats['lossless']).
+  verify_rule: 'exact' (lossless, the default), 'block' (lossless block verification of a
+    chain, Sun et al. 2024: accepts at least as many tokens in expectation; not with
+    tree=) or a research rule that is not lossless: 'typical', 'threshold', 'synthetic'
+    (`specjax.verify.rules`; stats['lossless']).
   rule_params: that rule's keyword arguments, e.g. {'epsilon': 0.09, 'delta': 0.3}.
   gamma_policy: how many of its γ tokens each row drafts per round (`specjax.policies`,
     all lossless): 'fixed', 'heuristic', 'confidence' (stop below `draft_confidence`,

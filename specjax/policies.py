@@ -171,7 +171,8 @@ def propose_upto(drafter, params, state, tokens, n, key, sampling, limit, confid
 def cut(n_accepted, next_token, ps, lengths, key, greedy=None, top=None):
   """The rule's outcome for chains of `lengths` tokens instead of γ.
 
-  Every rule decides position i from position i's inputs alone, so a row whose first
+  Every rule but the block rule (which takes the lengths itself, `Chain.verify`) decides
+  position i from position i's inputs alone, so a row whose first
   L tokens were all accepted would have drawn its bonus from p_{L+1} (index L) with a
   chain of L: that draw replaces the rule's next token; otherwise nothing changes.
   """

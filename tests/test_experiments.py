@@ -319,6 +319,13 @@ def test_a_cut_last_row_runs_again_and_a_bad_one_is_named(tmp_path):
     run_lib.read_rows(path)
 
 
+def test_rules_variant_compares_the_lossless_rules():
+  cfg = sweep_config.get_config("rules")
+  assert cfg.verify_rule == ("exact", "block") and cfg.gamma == (2, 4, 6)
+  run_lib.validate(cfg)  # the sweep runs the block rule
+  assert sweep_config.get_config("").verify_rule == ("exact",)  # the default is unchanged
+
+
 def test_unknown_variant():
   with pytest.raises(ValueError, match="variant"):
     sweep_config.get_config("huge")

@@ -43,6 +43,10 @@ CASES = {
     "draft-mixed": dict(temperature=[0.0, 1.0], draft=_DRAFT, gamma=2),
     # propose_until: the draft forward is skipped by the loop's condition
     "heuristic-T0": dict(temperature=0.0, draft=_DRAFT, gamma=3, gamma_policy="heuristic"),
+    "block-T0": dict(temperature=0.0, draft=_DRAFT, gamma=2, verify_rule="block"),
+    "block-T1": dict(temperature=1.0, draft=_DRAFT, gamma=2, verify_rule="block"),
+    "block-heuristic-T1": dict(temperature=1.0, draft=_DRAFT, gamma=3, verify_rule="block",
+                               gamma_policy="heuristic"),
     "confidence-T1": dict(temperature=1.0, draft=_DRAFT, gamma=3, gamma_policy="confidence",
                           draft_confidence=0.5),
 }

@@ -6,7 +6,8 @@ path (the verify rule, or the walk down a tree), the prefix before each committe
 how many slots a round may write, and the rollback of both caches.
 
   Chain  γ drafts in a row: candidate j follows prefix j; the verify rule is the engine's
-         (`verify.exact`, `verify.rules`), then the γ policy's `settle`.
+         (`verify.exact`, `verify.block`, `verify.rules`), then the γ policy's `settle`
+         (a rule with `reads_lengths`, the block rule, takes each row's length itself).
   Tree   a static token tree (`specjax.trees.Tree`): one pass over every node with a tree
          mask, the walk from the root (`verify.tree.walk_batch`), and the accepted path's
          KV compacted into contiguous slots, so no other branch is read again.
@@ -44,10 +45,12 @@ class Chain:
     None for a chain; ys as drafted. greedy: `sampling.Paths.greedy` (static). top:
     int32[B, γ+1], the argmax of every p where each is a point mass known to the host
     (else None): the exact rule and the bonus read it instead of p."""
-    if top is not None and getattr(engine.rule, "reads_top", False):
-      n_accepted, next_token, overlap = engine.rule(row_keys, ys, qs, ps, greedy, top=top)
-    else:
-      n_accepted, next_token, overlap = engine.rule(row_keys, ys, qs, ps, greedy)
+    kw = {"top": top} if top is not None and getattr(engine.rule, "reads_top", False) else {}
+    if lengths is not None and getattr(engine.rule, "reads_lengths", False):
+      # The rule decides from the whole chain (block): it applies each row's length.
+      return (*engine.rule(row_keys, ys, qs, ps, greedy, lengths=lengths, **kw), None, None,
+              ys)
+    n_accepted, next_token, overlap = engine.rule(row_keys, ys, qs, ps, greedy, **kw)
     n_accepted, next_token = engine.policy.settle(n_accepted, next_token, ps, lengths, key,
                                                   greedy, top)
     return n_accepted, next_token, overlap, None, None, ys

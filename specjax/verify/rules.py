@@ -1,4 +1,5 @@
-"""Research verification rules beside the exact one. None of them is lossless.
+"""Research verification rules beside the lossless ones (`verify.exact`, `verify.block`).
+None of them is lossless.
 
 Each is a frozen dataclass with `lossless = False` and the call signature of
 `specjax.verify.ExactRule`: `(keys[B], ys[B, γ], qs[B, γ, V], ps[B, γ+1, V]) ->
@@ -33,9 +34,10 @@ import jax
 import jax.numpy as jnp
 
 from specjax.processors.sampling import sample
+from specjax.verify.block import BlockRule
 from specjax.verify.exact import ExactRule, accepted_prefix
 
-RULES = ("exact", "typical", "threshold", "synthetic")
+RULES = ("exact", "block", "typical", "threshold", "synthetic")
 
 
 def _stop_and_draw(key, accepted, q, p):
@@ -154,7 +156,7 @@ class SyntheticRule:
     return jax.vmap(row)(keys, ys, qs, ps)
 
 
-_CLASSES = {"exact": ExactRule, "typical": TypicalRule, "threshold": ThresholdRule,
+_CLASSES = {"exact": ExactRule, "block": BlockRule, "typical": TypicalRule, "threshold": ThresholdRule,
             "synthetic": SyntheticRule}
 
 
