@@ -1,0 +1,146 @@
+"""Traversal verification of a token tree (Weng et al. 2025, arXiv 2505.12398): lossless,
+leaves towards the root, each node judged by its whole root-to-node path.
+
+Every node v keeps a weight w_v (block verification's path weight) and a target
+distribution p_v (its row of `ps`, later a residual). A child c of u carries the draft
+distribution q_c it was drawn from: q at u minus the siblings already tried, renormalised
+(sampled children, drawn without replacement, as `sample_distinct` draws them), or the
+point mass at its token (top-k children, or a sampled child past q's support). Entering c:
+  w_c = min(1, w_u p_u(x_c) / q_c(x_c)).
+The nodes are tested in post-order (a node after all its children, siblings in order): a
+node is accepted with probability w_v, which ends the walk (the path to it is accepted
+and the next token is drawn from p_v). Rejecting child c of u removes it and updates u:
+  r = [w_u p_u - q_c]_+,  p_u <- r / Σr,  w_u <- Σr / (Σr + 1 - w_u),
+and q at u loses x_c. The root keeps w = 1, so the walk always ends.
+
+Why it is exact (docs/ARCHITECTURE.md): by induction over children, a node entered with
+weight w emits its next token with law w·p_v (exactly, the rest of the path by the target
+law) and is rejected with probability 1 - w. Child c is then emitted with mass
+min(q_c, w p_u)(x) and rejected with mass [q_c - w p_u]_+(x), which sums to Σr + 1 - w,
+and what is left of u (weight Σr/(Σr + 1 - w), law r/Σr, the remaining children drawn
+from the reduced q) emits r: min(q_c, w p_u) + r = w p_u. The update does not depend on
+the rejected token, so the argument holds for draws without replacement and for fixed
+tokens alike. At w = 1 (the root) the root's update is the node rule's recursive rejection
+sampling; the gain comes from deeper nodes, whose weights carry the path's p/q surplus.
+For a chain it is block verification (Sun et al. 2024). tests/test_traversal.py checks
+the law in float64 over every draft tree.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+from specjax.processors.sampling import sample
+from specjax.trees import Tree
+
+
+def schedule(tree: Tree):
+  """The static Euler tour: int32[2N, 2] of (node, 1 = enter | 0 = test), a child entered
+  after its previous sibling's test and tested after its own children; and int32[N+1,
+  depth], each row's root-to-node path of node indices (-1 past it)."""
+  children = tree.children
+  events = []
+
+  def visit(row):
+    for c in children[row]:
+      if c < 0:
+        break
+      events.append((int(c), 1))
+      visit(int(c) + 1)
+      events.append((int(c), 0))
+
+  visit(0)
+  paths = np.full((tree.num_nodes + 1, tree.depth), -1, np.int32)
+  for i, p in enumerate(tree.parents):
+    paths[i + 1] = paths[p + 1] if p >= 0 else -1
+    paths[i + 1, tree.depths[i] - 1] = i
+  return np.asarray(events, np.int32), paths
+
+
+def walk(key, node_tokens, node_q, ps, tree: Tree, deterministic: bool, unroll=None,
+         update_parent=True):
+  """One row, `verify.tree.walk`'s inputs and outputs: (n_accepted, next_token,
+  overlap[depth], path int32[depth] (-1 past it), by_rank).
+
+  overlap[j]: Σ min(p, q) at the accepted path's node of depth j (0 past the path or at
+  a leaf), as the node walk reports it. by_rank (tried, accepted, chance) per sibling
+  rank: how many rank-r nodes were tested, how many lie on the accepted path (so the
+  accepted counts add up to n_accepted), and the sum of the tested nodes' weights.
+  update_parent=False is a deliberately wrong variant (a rejection leaves the parent's
+  p and w as they were) for the tests; it is not lossless.
+  """
+  unroll = jax.default_backend() != "cpu" if unroll is None else bool(unroll)
+  events, paths = schedule(tree)
+  parents = jnp.asarray(np.asarray(tree.parents, np.int32) + 1)  # the parent's row
+  ranks = jnp.asarray(tree.ranks, jnp.int32)
+  first = jnp.asarray(np.maximum(tree.children[:, 0], 0))
+  has_children = jnp.asarray(tree.children[:, 0] >= 0)
+  width, vocab = tree.children.shape[1], ps.shape[-1]
+  keys = jax.random.split(key, tree.num_nodes + 1)
+  # Row u's draft q (what its children were drawn from), minus the children tried.
+  left0 = jnp.where(has_children[:, None], node_q[first], 0.0)
+
+  def child_q(left_u, x):
+    """The distribution child x was drawn from, and whether it was a draw at all."""
+    onehot = jax.nn.one_hot(x, vocab, dtype=ps.dtype)
+    if deterministic:
+      return onehot
+    mass = jnp.sum(left_u)
+    return jnp.where(mass > 0, left_u / jnp.where(mass > 0, mass, 1.0), onehot)
+
+  def step(e, c):
+    w, dist, left, final, tried, taken, chance = c
+    node, enter = events[e, 0], events[e, 1] == 1
+    row, u = node + 1, parents[node]
+    x = node_tokens[node]
+    qc = child_q(left[u], x)
+    live = final < 0
+    # enter: the child's weight from its parent's current weight and distribution.
+    w_in = jnp.minimum(1.0, w[u] * dist[u, x] / jnp.maximum(qc[x], 1e-30))
+    # test: accepted with probability w[row]; else the parent is updated.
+    testing = live & ~enter
+    accept = jax.random.uniform(keys[node]) < w[row]
+    rejected = testing & ~accept
+    r = jnp.maximum(w[u] * dist[u] - qc, 0.0)
+    total = jnp.sum(r)
+    w_out = total / jnp.maximum(total + 1.0 - w[u], 1e-30)
+    if update_parent:
+      dist = dist.at[u].set(jnp.where(rejected & (total > 0), r / jnp.maximum(total, 1e-30),
+                                      dist[u]))
+      w = w.at[u].set(jnp.where(rejected, jnp.where(u == 0, 1.0, w_out), w[u]))
+    left = left.at[u, x].set(jnp.where(rejected, 0.0, left[u, x]))
+    w = w.at[row].set(jnp.where(live & enter, w_in, w[row]))
+    rank = ranks[node]
+    tried = tried.at[rank].add(testing.astype(jnp.int32))
+    chance = chance.at[rank].add(jnp.where(testing, w[row], 0.0))
+    final = jnp.where(testing & accept, row, final)
+    return w, dist, left, final, tried, taken, chance
+
+  n_rows = tree.num_nodes + 1
+  init = (jnp.ones((n_rows,), ps.dtype), ps, left0, jnp.int32(-1),
+          jnp.zeros((width,), jnp.int32), jnp.zeros((width,), jnp.int32),
+          jnp.zeros((width,), jnp.float32))
+  w, dist, _, final, tried, taken, chance = jax.lax.fori_loop(
+      0, len(events), step, init, unroll=unroll)
+  final = jnp.maximum(final, 0)  # every child rejected: the root, w = 1
+  path = jnp.asarray(paths)[final]
+  on_path = path >= 0
+  n_accepted = jnp.sum(on_path).astype(jnp.int32)
+  next_token = sample(keys[-1], dist[final])
+  taken = taken.at[ranks[jnp.maximum(path, 0)]].add(on_path.astype(jnp.int32))
+  # The path's rows by depth (root first); overlap as the node walk defines it.
+  rows = jnp.concatenate([jnp.zeros((1,), jnp.int32), path[:-1] + 1])
+  alive = jnp.arange(tree.depth) <= n_accepted
+  alive = alive & jnp.concatenate([jnp.ones((1,), bool), on_path[:-1]]) & has_children[rows]
+  overlap = jnp.where(alive, jnp.sum(jnp.minimum(ps[rows], left0[rows]), axis=-1), 0.0)
+  return n_accepted, next_token, overlap.astype(jnp.float32), path, (tried, taken, chance)
+
+
+def walk_batch(keys, node_tokens, node_q, ps, tree: Tree, deterministic: bool, unroll=None,
+               update_parent=True):
+  """`walk` of each row (vmapped over the first four)."""
+  return jax.vmap(lambda *rows: walk(*rows, tree, deterministic, unroll, update_parent))(
+      keys, node_tokens, node_q, ps)
