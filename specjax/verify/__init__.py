@@ -6,6 +6,7 @@
   layouts.py a round's candidates as a chain or a tree: pass layout, verify, commit, rollback
 
   tree.py    the walk down a token tree (the node rules) and the accepted path's KV compaction
+  traversal.py traversal verification of a tree (leaves first), tested in float64; not yet an engine rule
   optimum.py the multi-draft optimum a node rule is measured against (float64, numpy)
 """
 
