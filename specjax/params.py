@@ -84,7 +84,8 @@ class SpeculationParams:
   ngram_min, ngram_max: the suffix lengths prompt lookup tries.
   verify_rule: 'exact' (lossless, the default), 'block' (lossless block verification of a
     chain, Sun et al. 2024: accepts at least as many tokens in expectation; not with
-    tree=) or a research rule that is not lossless: 'typical', 'threshold', 'synthetic'
+    tree=), 'traversal' (lossless traversal verification of a tree=, Weng et al. 2025:
+    leaves first, accepts at least as many as the node walk) or a research rule that is not lossless: 'typical', 'threshold', 'synthetic'
     (`specjax.verify.rules`; stats['lossless']).
   rule_params: that rule's keyword arguments, e.g. {'epsilon': 0.09, 'delta': 0.3}.
   gamma_policy: how many of its γ tokens each row drafts per round (`specjax.policies`,

@@ -213,9 +213,12 @@ def _on_one_device(target: Model, prompts, given: params_lib.Params) -> Prepared
   rule = rules_lib.make_rule(spec.verify_rule, spec.rule_params, drafter.gamma)
   policy = arguments.make_policy(spec.gamma_policy, spec.draft_confidence, spec.draft_cost,
                                  drafter)
-  if tree is not None and spec.verify_rule != "exact":
-    raise ValueError(f"tree= works with the exact rule only, got "
+  if tree is not None and spec.verify_rule not in ("exact", "traversal"):
+    raise ValueError(f"tree= works with the exact rule only or verify_rule='traversal', got "
                      f"verify_rule={spec.verify_rule!r}")
+  if tree is None and spec.verify_rule == "traversal":
+    raise ValueError("verify_rule='traversal' verifies a token tree: pass tree=...; on a "
+                     "chain it is block verification, verify_rule='block'")
   if isinstance(drafter, drafters_lib.ModelDrafter):
     if draft.config.max_len < longest + max_new_tokens:
       raise ValueError(f"prompt length {longest} + max_new_tokens {max_new_tokens} exceeds the "

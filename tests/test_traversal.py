@@ -1,14 +1,21 @@
 """Traversal verification (verify.traversal): the exact float64 law over every draft tree,
-its accepted length against the node rule's, and a chain's against block verification.
-(The engine does not run the walk yet: `verify_rule='traversal'` is not wired.)"""
+its accepted length against the node rule's, and a chain's against block verification;
+then the engine's `verify_rule='traversal'`: the law of 3-token continuations, greedy
+equality, bad input, and a planted error."""
 
+import functools
 import itertools
+from unittest import mock
 
 import numpy as np
 from absl.testing import parameterized
 
+import specjax
+from specjax import decode as decode_lib
 from specjax import trees
 from specjax.verify import traversal
+from conftest import LAW_ROWS, greedy_oracle, target_and_draft, tiny_model, within_law
+from test_block import filtered_law
 from test_trees import distinct_draws
 
 
@@ -196,3 +203,136 @@ class ExactLawTest(parameterized.TestCase):
       for i in range(gamma, -1, -1):
         block[i], reach = reach * h[i], reach * (1 - h[i])
       np.testing.assert_allclose(ours, block, atol=1e-12)
+
+
+# The engine's walk: `verify_rule='traversal'` with a tree drafter.
+
+ENGINE = {  # name: (generate's arguments, T, top-p)
+    "model_sampled_22_T1": (dict(tree=(2, 2)), 1.0, 1.0),
+    "model_topk_211_T08_topp": (dict(tree=(2, 1, 1), draft_sample="greedy"), 0.8, 0.9),
+    "model_sampled_paths_T08": (dict(tree=[(0,), (1,), (0, 0), (1, 0), (1, 1)]), 0.8, 1.0),
+    "medusa_22_T1": (dict(tree=(2, 2), draft="medusa"), 1.0, 1.0),
+    "ngram_221_T1": (dict(tree=(2, 2, 1), drafter="ngram"), 1.0, 1.0),
+}
+
+
+def _spec(name, target, draft):
+  spec = dict(ENGINE[name][0])
+  if spec.get("draft") == "medusa":
+    from test_heads import random_head
+    spec["draft"] = random_head(target, "medusa")
+  elif spec.get("drafter") != "ngram":
+    spec["draft"] = draft
+  return spec
+
+
+def _law_run(name, seed=4):
+  target, draft = target_and_draft()
+  _, temperature, top_p = ENGINE[name]
+  prompt = [3, 1, 3, 1, 2, 3, 1] if "ngram" in name else [3, 1, 3]
+  res = specjax.generate(target, [prompt] * LAW_ROWS, max_new_tokens=3,
+                         temperature=temperature, top_p=top_p, seed=seed,
+                         verify_rule="traversal", **_spec(name, target, draft))
+  return res, filtered_law(target, prompt, 3, temperature, 0, top_p)
+
+
+class EngineLawTest(parameterized.TestCase):
+  """The empirical law of LAW_ROWS 3-token continuations under verify_rule='traversal'."""
+
+  @parameterized.named_parameters(*[(name, name) for name in ENGINE])
+  def test_three_token_law(self, name):
+    res, probs = _law_run(name)
+    ok, worst = within_law(res.tokens, probs)
+    self.assertTrue(ok, f"worst z={worst}")
+    self.assertTrue(res.stats["lossless"])
+    self.assertLess(res.stats["acceptance_rate"], 0.95)  # the draft really disagreed
+    self.assertGreater(res.stats["rounds"], LAW_ROWS)  # and rounds were rolled back
+    self.assertEqual(sum(res.stats["sibling_accepted"]), res.stats["accepted"])
+    self.assertTrue(all(np.isnan(res.stats["alpha_by_sibling"])))  # not the node rule's
+
+  def test_penalties(self):
+    from test_processors import EOS, PENALTIES, PROMPT, TEMPERATURE, exact_law, law_check
+    target, draft = target_and_draft()
+    law = exact_law(target, PROMPT, 3, TEMPERATURE, dict(PENALTIES, no_repeat_ngram_size=2))
+    res = specjax.generate(target, [PROMPT] * LAW_ROWS, max_new_tokens=3,
+                           temperature=TEMPERATURE, seed=5, eos_id=EOS, draft=draft,
+                           tree=(2, 2), verify_rule="traversal", no_repeat_ngram_size=2,
+                           **PENALTIES)
+    ok, worst = law_check(law, res.tokens, 3)
+    self.assertTrue(ok, f"worst z={worst}")
+    self.assertGreater(res.stats["rounds"], LAW_ROWS)
+
+  def test_accepts_no_fewer_than_the_node_walk(self):
+    """Same drafts' law, more accepted: the mean accepted per round is not below the
+    node walk's (5 standard errors), on the tree and temperature of the first law test."""
+    target, draft = target_and_draft()
+    means = {}
+    for rule in ("exact", "traversal"):
+      res = specjax.generate(target, [[3, 1, 3]] * 2000, max_new_tokens=3, temperature=1.0,
+                             seed=2, draft=draft, tree=(2, 2), verify_rule=rule)
+      hist = np.asarray(res.stats["committed_hist"], np.float64)
+      k = np.arange(len(hist))
+      m = (hist * k).sum() / hist.sum()
+      means[rule] = m, np.sqrt((hist * (k - m) ** 2).sum() / hist.sum() / hist.sum())
+    (a, sa), (b, sb) = means["exact"], means["traversal"]
+    self.assertGreater(b, a - 5 * np.hypot(sa, sb), means)
+
+
+class GreedyTest(parameterized.TestCase):
+
+  @parameterized.parameters(("model", (2, 2, 1), "greedy"), ("model", (4, 2, 1, 1), "probabilistic"),
+                            ("model", [(0,), (1,), (0, 0), (0, 1), (1, 0)], "greedy"),
+                            ("ngram", (2, 2, 1), None), ("medusa", (2, 2), "greedy"))
+  def test_equals_target_greedy_and_the_node_walk(self, drafter, tree, mode):
+    target = tiny_model(vocab=16, n_layers=2, seed=3, sharpness=1.5)
+    if drafter == "ngram":
+      kw = dict(drafter="ngram")
+    elif drafter == "medusa":
+      from test_heads import random_head
+      kw = dict(draft=random_head(target, "medusa"), draft_sample=mode)
+    else:
+      kw = dict(draft=tiny_model(vocab=16, d_model=16, seed=8, sharpness=1.5),
+                draft_sample=mode)
+    prompts = [[1, 2, 3, 1, 2, 4, 1, 2], [4, 5, 6, 7, 0, 1, 2, 3, 4], [7]]
+    res = specjax.generate(target, prompts, max_new_tokens=12, tree=tree,
+                           verify_rule="traversal", **kw)
+    for prompt, out in zip(prompts, res.tokens):
+      self.assertEqual(out, greedy_oracle(target, prompt, 12))
+    # At T = 0 both walks accept the one path that matches the target's argmax.
+    node = specjax.generate(target, prompts, max_new_tokens=12, tree=tree, **kw)
+    for key in ("accepted", "rounds"):
+      self.assertEqual(res.stats[key], node.stats[key], key)
+
+
+class RuleTest(parameterized.TestCase):
+
+  def test_made_by_name_and_refused_on_chains(self):
+    from specjax.verify import rules
+    self.assertIsInstance(rules.make_rule("traversal", None, 3), traversal.TraversalRule)
+    self.assertTrue(traversal.TraversalRule.lossless)
+    with self.assertRaisesRegex(ValueError, "takes rule_params"):
+      rules.make_rule("traversal", {"ratio": 1.0}, 3)
+    target, draft = target_and_draft()
+    with self.assertRaisesRegex(ValueError, "verifies a token tree"):
+      specjax.generate(target, [[1, 2]], max_new_tokens=2, draft=draft, gamma=2,
+                       verify_rule="traversal")
+    with self.assertRaisesRegex(ValueError, "speculative decoding"):
+      specjax.generate(target, [[1, 2]], max_new_tokens=2, verify_rule="traversal")
+
+
+class PlantedEngineTest(parameterized.TestCase):
+  """Last in the file: it clears the compiled engines the tests above share."""
+
+  def test_parent_left_alone_is_caught(self):
+    """The variant that leaves the parent's p and weight alone after a rejection fails
+    the engine law check the rule passes."""
+    right = traversal.walk_batch
+    wrong = functools.partial(right, update_parent=False)
+    with mock.patch.object(traversal, "walk_batch", wrong):
+      decode_lib.decode.clear_cache()
+      try:
+        res, probs = _law_run("model_sampled_22_T1")
+      finally:
+        decode_lib.decode.clear_cache()
+    ok, worst = within_law(res.tokens, probs)
+    self.assertFalse(ok, f"the parent-left-alone variant passed (worst z={worst})")

@@ -6,13 +6,15 @@
   layouts.py a round's candidates as a chain or a tree: pass layout, verify, commit, rollback
 
   tree.py    the walk down a token tree (the node rules) and the accepted path's KV compaction
-  traversal.py traversal verification of a tree (leaves first), tested in float64; not yet an engine rule
+  traversal.py traversal verification of a tree (leaves first), lossless: verify_rule='traversal'
   optimum.py the multi-draft optimum a node rule is measured against (float64, numpy)
 """
 
 from specjax.verify.block import BlockRule
 from specjax.verify.exact import ExactRule, acceptance_prob, residual, verify
+from specjax.verify.traversal import TraversalRule
 from specjax.verify.rules import RULES, SyntheticRule, ThresholdRule, TypicalRule, make_rule
 
-__all__ = ["RULES", "BlockRule", "ExactRule", "SyntheticRule", "ThresholdRule", "TypicalRule",
+__all__ = ["RULES", "BlockRule", "ExactRule", "SyntheticRule", "ThresholdRule", "TraversalRule",
+           "TypicalRule",
            "acceptance_prob", "make_rule", "residual", "verify"]

@@ -9,8 +9,9 @@ how many slots a round may write, and the rollback of both caches.
          (`verify.exact`, `verify.block`, `verify.rules`), then the γ policy's `settle`
          (a rule with `reads_lengths`, the block rule, takes each row's length itself).
   Tree   a static token tree (`specjax.trees.Tree`): one pass over every node with a tree
-         mask, the walk from the root (`verify.tree.walk_batch`), and the accepted path's
-         KV compacted into contiguous slots, so no other branch is read again.
+         mask, the walk from the root (`verify.tree.walk_batch`, or the rule's own
+         `walk_tree`: traversal verification), and the accepted path's KV compacted into
+         contiguous slots, so no other branch is read again.
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ class TreeLayout:
                                      self.tree.parents)
 
   def verify(self, engine, row_keys, ys, qs, ps, lengths, key, greedy=None, top=None):
-    n_accepted, next_token, overlap, path, by_rank = tree_verify.walk_batch(
+    walk = getattr(engine.rule, "walk_tree", tree_verify.walk_batch)
+    n_accepted, next_token, overlap, path, by_rank = walk(
         row_keys, ys, qs, ps, self.tree, self.deterministic, engine.unroll_walk)
     return n_accepted, next_token, overlap, path, by_rank, jnp.take_along_axis(
         ys, jnp.maximum(path, 0), axis=1)  # the accepted path's tokens

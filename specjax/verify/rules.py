@@ -1,4 +1,5 @@
-"""Research verification rules beside the lossless ones (`verify.exact`, `verify.block`).
+"""Research verification rules beside the lossless ones (`verify.exact`, `verify.block`,
+`verify.traversal`), and `make_rule`, which makes any of them by name.
 None of them is lossless.
 
 Each is a frozen dataclass with `lossless = False` and the call signature of
@@ -36,8 +37,9 @@ import jax.numpy as jnp
 from specjax.processors.sampling import sample
 from specjax.verify.block import BlockRule
 from specjax.verify.exact import ExactRule, accepted_prefix
+from specjax.verify.traversal import TraversalRule
 
-RULES = ("exact", "block", "typical", "threshold", "synthetic")
+RULES = ("exact", "block", "traversal", "typical", "threshold", "synthetic")
 
 
 def _stop_and_draw(key, accepted, q, p):
@@ -156,7 +158,7 @@ class SyntheticRule:
     return jax.vmap(row)(keys, ys, qs, ps)
 
 
-_CLASSES = {"exact": ExactRule, "block": BlockRule, "typical": TypicalRule, "threshold": ThresholdRule,
+_CLASSES = {"exact": ExactRule, "block": BlockRule, "traversal": TraversalRule, "typical": TypicalRule, "threshold": ThresholdRule,
             "synthetic": SyntheticRule}
 
 

@@ -23,10 +23,13 @@ the rejected token, so the argument holds for draws without replacement and for 
 tokens alike. At w = 1 (the root) the root's update is the node rule's recursive rejection
 sampling; the gain comes from deeper nodes, whose weights carry the path's p/q surplus.
 For a chain it is block verification (Sun et al. 2024). tests/test_traversal.py checks
-the law in float64 over every draft tree.
+the law in float64 over every draft tree, and the engine's (`verify_rule='traversal'`)
+by sampling and at temperature 0.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -74,6 +77,7 @@ def walk(key, node_tokens, node_q, ps, tree: Tree, deterministic: bool, unroll=N
   """
   unroll = jax.default_backend() != "cpu" if unroll is None else bool(unroll)
   events, paths = schedule(tree)
+  events = jnp.asarray(events)  # indexed by a traced step when the loop is rolled
   parents = jnp.asarray(np.asarray(tree.parents, np.int32) + 1)  # the parent's row
   ranks = jnp.asarray(tree.ranks, jnp.int32)
   first = jnp.asarray(np.maximum(tree.children[:, 0], 0))
@@ -144,3 +148,28 @@ def walk_batch(keys, node_tokens, node_q, ps, tree: Tree, deterministic: bool, u
   """`walk` of each row (vmapped over the first four)."""
   return jax.vmap(lambda *rows: walk(*rows, tree, deterministic, unroll, update_parent))(
       keys, node_tokens, node_q, ps)
+
+
+@dataclasses.dataclass(frozen=True)
+class TraversalRule:
+  """`verify_rule='traversal'`: a token tree verified leaves first, lossless.
+
+  A tree rule: `layouts.TreeLayout` calls `walk_tree` in place of the node walk. On a
+  chain the walk is block verification, which `verify_rule='block'` runs.
+  """
+  lossless = True
+
+  @staticmethod
+  def walk_tree(keys, node_tokens, node_q, ps, tree: Tree, deterministic: bool, unroll=None):
+    """`verify.tree.walk_batch`'s outputs. By sibling rank only the accepted path's counts
+    are kept: the walk tests nodes leaves first, so its tries and their weights are not
+    the node rule's α by rank, which `ledger.tree_expected_tokens` prices (results give
+    nan for them)."""
+    n_accepted, next_token, overlap, path, (tried, taken, chance) = walk_batch(
+        keys, node_tokens, node_q, ps, tree, deterministic, unroll)
+    return n_accepted, next_token, overlap, path, (jnp.zeros_like(tried), taken,
+                                                   jnp.zeros_like(chance))
+
+  def __call__(self, *args, **kwargs):
+    raise ValueError("verify_rule='traversal' verifies a token tree: pass tree=...; on a "
+                     "chain it is block verification, verify_rule='block'")
