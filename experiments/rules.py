@@ -1,7 +1,11 @@
-"""Block against token-level verification on the shipped pair, paired (issue #51).
+"""Block (chains) or traversal (trees) against token-level verification, paired (issue #51).
 
   python -m experiments.rules                       # model + EAGLE, γ = 2, 4, 6, T = 0.7, 1
   python -m experiments.rules --drafter=model --gamma=4 --temperature=1.0 --repeats=5
+  python -m experiments.rules --drafter=model,medusa --tree=2,2,1,1   # traversal vs exact
+
+With --tree the draft is that token tree (branching factors, γ is its depth) and the
+method is traversal verification; without it, a chain of γ and block verification.
 
 For each drafter, γ and temperature: one batched call per rule over --batch_prompts
 held-out prompts (the same prompts and seed) counts tokens per target call, with its
@@ -32,34 +36,36 @@ _NEW = flags.DEFINE_integer("max_new_tokens", 48, "New tokens per call.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed passes over the prompts.")
 _BATCH = flags.DEFINE_integer("batch_prompts", 64, "Prompts of the one batched call per "
                               "rule that counts tokens per target call (0: none).")
+_TREE = flags.DEFINE_list("tree", None, "Branching factors of a token tree (2,2,1,1): "
+                          "traversal against exact on it instead of block on a chain.")
 _OUT = flags.DEFINE_string("out", None, "JSON-lines file for the rows.")
 
-RULES = ("exact", "block")
 
-
-def compare(target, prompts, kw: dict, repeats: int) -> dict:
-  """Paired calls of both rules: tokens per target call and round time, with quartiles."""
+def compare(target, prompts, kw: dict, repeats: int, rules: tuple[str, str]) -> dict:
+  """Paired calls of (baseline, method): tokens per target call and round time, with
+  quartiles of the per-call ratio method / baseline."""
+  base, method = rules
   call = lambda rule, i: specjax.generate(target, [prompts[i]], seed=i, verify_rule=rule,
                                           **kw)
-  stats = {rule: [call(rule, i).stats for i in range(len(prompts))] for rule in RULES}
+  stats = {rule: [call(rule, i).stats for i in range(len(prompts))] for rule in rules}
   per_call = {rule: [s["committed"] / s["target_calls"] for s in stats[rule]]
-              for rule in RULES}
-  round_s = {rule: [] for rule in RULES}
+              for rule in rules}
+  round_s = {rule: [] for rule in rules}
   for r in range(repeats):
     for i in range(len(prompts)):
-      for rule in (RULES if (r + i) % 2 == 0 else RULES[::-1]):
+      for rule in (rules if (r + i) % 2 == 0 else rules[::-1]):
         start = time.perf_counter()
         call(rule, i)  # generate returns host lists: the call has finished
         round_s[rule].append((time.perf_counter() - start) / stats[rule][i]["rounds"])
   pooled = {rule: sum(s["committed"] for s in stats[rule])
-            / sum(s["target_calls"] for s in stats[rule]) for rule in RULES}
+            / sum(s["target_calls"] for s in stats[rule]) for rule in rules}
   return dict(
       tokens_per_call={rule: round(v, 4) for rule, v in pooled.items()},
-      lossless={rule: all(s["lossless"] for s in stats[rule]) for rule in RULES},
-      calls_ratio=common.quartiles([b / e for b, e in zip(per_call["block"],
-                                                          per_call["exact"])]),
-      round_ratio=common.quartiles([b / e for b, e in zip(round_s["block"],
-                                                          round_s["exact"])]))
+      lossless={rule: all(s["lossless"] for s in stats[rule]) for rule in rules},
+      calls_ratio=common.quartiles([m / b for m, b in zip(per_call[method],
+                                                          per_call[base])]),
+      round_ratio=common.quartiles([m / b for m, b in zip(round_s[method],
+                                                          round_s[base])]))
 
 
 def per_call(stats: dict) -> tuple[float, float]:
@@ -71,46 +77,58 @@ def per_call(stats: dict) -> tuple[float, float]:
   return mean, (var / n) ** 0.5
 
 
-def counted(target, prompts, kw: dict) -> dict:
+def counted(target, prompts, kw: dict, rules: tuple[str, str]) -> dict:
   """One batched call per rule (the same prompts and seed): tokens per target call with
-  its standard error, and block − exact with the error of the difference."""
+  its standard error, and method − baseline with the error of the difference."""
+  base, method = rules
   out = {rule: per_call(specjax.generate(target, prompts, seed=0, verify_rule=rule,
-                                         **kw).stats) for rule in RULES}
-  gain = out["block"][0] - out["exact"][0]
+                                         **kw).stats) for rule in rules}
+  gain = out[method][0] - out[base][0]
   return dict(batched={rule: {"mean": round(m, 4), "se": round(e, 4)}
                        for rule, (m, e) in out.items()},
               batched_gain=round(gain, 4),
-              batched_gain_se=round((out["block"][1] ** 2 + out["exact"][1] ** 2) ** 0.5, 4))
+              batched_gain_se=round((out[method][1] ** 2 + out[base][1] ** 2) ** 0.5, 4))
 
 
 def main(argv):
   del argv
   rows = []
+  tree = tuple(int(k) for k in _TREE.value) if _TREE.value else None
+  if tree is not None:
+    common.refuse_flags(["gamma"], "is the tree's depth with --tree: drop it")
+  rules = ("exact", "traversal") if tree else ("exact", "block")
+  base, method = rules
   for drafter in _DRAFTERS.value:
-    for gamma in map(int, _GAMMAS.value):
+    for gamma in ([None] if tree else map(int, _GAMMAS.value)):
       target, _, kw = common.drafter_pair("stdlib-target", drafter, None, gamma)
+      if tree:
+        kw = dict(kw, tree=tree)
+        kw.pop("gamma")
       prompts = common.heldout_prompts(target.tokenizer, "stdlib", _PROMPTS.value,
                                        _PROMPT_TOKENS.value)
       many = (common.heldout_prompts(target.tokenizer, "stdlib", _BATCH.value,
                                      _PROMPT_TOKENS.value, seed=1) if _BATCH.value else None)
       for temperature in map(float, _TEMPS.value):
         run_kw = dict(kw, temperature=temperature, max_new_tokens=_NEW.value)
-        out = compare(target, prompts, run_kw, _REPEATS.value) if _REPEATS.value else {}
+        out = (compare(target, prompts, run_kw, _REPEATS.value, rules) if _REPEATS.value
+               else {})
         if many:
-          out.update(counted(target, many, run_kw))
-        row = dict(drafter=drafter, gamma=gamma, temperature=temperature, **out)
+          out.update(counted(target, many, run_kw, rules))
+        shape = dict(tree=list(tree)) if tree else dict(gamma=gamma)
+        row = dict(drafter=drafter, **shape, temperature=temperature, **out)
         rows.append(row)
-        line = f"{drafter:6s} γ={gamma} T={temperature}:"
+        line = (f"{drafter:6s} tree={tree}" if tree else f"{drafter:6s} γ={gamma}")
+        line += f" T={temperature}:"
         if many:
           b = out["batched"]
-          line += (f" batched tokens/call exact {b['exact']['mean']:.3f} ± {b['exact']['se']:.3f}"
-                   f" block {b['block']['mean']:.3f} ± {b['block']['se']:.3f}, gain "
+          line += (f" batched tokens/call {base} {b[base]['mean']:.3f} ± {b[base]['se']:.3f}"
+                   f" {method} {b[method]['mean']:.3f} ± {b[method]['se']:.3f}, gain "
                    f"{out['batched_gain']:+.3f} ± {out['batched_gain_se']:.3f};")
         if _REPEATS.value:
           q, r = out["calls_ratio"], out["round_ratio"]
-          line += (f" paired calls: tokens/call block/exact {q['median']:.3f} [{q['q1']:.3f}, "
-                   f"{q['q3']:.3f}], round time block/exact {r['median']:.3f} [{r['q1']:.3f}, "
-                   f"{r['q3']:.3f}]")
+          line += (f" paired calls: tokens/call {method}/{base} {q['median']:.3f} "
+                   f"[{q['q1']:.3f}, {q['q3']:.3f}], round time {method}/{base} "
+                   f"{r['median']:.3f} [{r['q1']:.3f}, {r['q3']:.3f}]")
         print(line, flush=True)
   if _OUT.value:
     with open(_OUT.value, "w") as f:

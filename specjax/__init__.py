@@ -8,7 +8,8 @@ from specjax.models.quantization import quantize
 from specjax.models.sharding import shard
 from specjax.params import OutputParams, SamplingParams, SpeculationParams, StoppingParams
 from specjax.processors import constraints
+from specjax.trees import DynamicTree
 
-__all__ = ["Chunk", "GenerateResult", "Model", "ModelConfig", "OutputParams", "SamplingParams",
+__all__ = ["Chunk", "DynamicTree", "GenerateResult", "Model", "ModelConfig", "OutputParams", "SamplingParams",
            "SpeculationParams", "StoppingParams", "Stream", "constraints", "generate",
            "init_model", "load_pretrained", "quantize", "shard", "stream"]

@@ -60,7 +60,7 @@ def check_prompts(prompts, model: Model) -> list[list[int]]:
 def make_tree(tree, gamma, max_len: int | None = None):
   """`tree=` as a `trees.Tree`: branching factors (k_1, ..., k_d) or a list of paths;
   max_len: the target's context, which the tree's nodes must fit in."""
-  if isinstance(tree, trees.Tree):
+  if isinstance(tree, (trees.Tree, trees.DynamicTree)):
     out = tree
   elif isinstance(tree, (tuple, list)) and tree and all(checks.is_int(k) for k in tree):
     out = trees.Tree.from_branching(tree)
@@ -68,8 +68,8 @@ def make_tree(tree, gamma, max_len: int | None = None):
                                                          for p in tree):
     out = trees.Tree.from_paths(tree)
   else:
-    raise ValueError(f"tree must be branching factors like (2, 2, 1) or a list of paths "
-                     f"like [(0,), (1,), (0, 0)], got {tree!r}")
+    raise ValueError(f"tree must be branching factors like (2, 2, 1), a list of paths "
+                     f"like [(0,), (1,), (0, 0)] or a specjax.DynamicTree, got {tree!r}")
   if gamma is not None and gamma != out.depth:
     raise ValueError(f"tree has depth {out.depth} but gamma={gamma}: leave gamma unset "
                      "with a tree (the depth is the draft length)")
@@ -109,6 +109,9 @@ def make_drafter(target: Model, draft: Model | None, drafter: str | None, gamma:
       got = f"a {draft.kind} head" if is_head else type(draft).__name__
       raise ValueError(f"drafter={drafter!r} needs draft=<a {drafter} head> (e.g. "
                        f"load_pretrained('stdlib-{drafter}')), got {got}")
+    if isinstance(tree, trees.DynamicTree):
+      raise ValueError(f"a DynamicTree needs drafter='model' (a draft model); the {drafter} "
+                       "head drafts static trees or chains")
     if tree is not None and drafter != "medusa":
       raise ValueError(f"tree= needs drafter='model', 'ngram' or 'medusa'; the {drafter} head "
                        "proposes chains only")
@@ -138,6 +141,9 @@ def make_drafter(target: Model, draft: Model | None, drafter: str | None, gamma:
     if ngram_max > max_len:  # no longer n-gram fits the context (each size is traced)
       raise ValueError(f"ngram_max {ngram_max} is longer than the target's context "
                        f"max_len={max_len}")
+    if isinstance(tree, trees.DynamicTree):
+      raise ValueError("a DynamicTree needs drafter='model' (a draft model); prompt lookup "
+                       "drafts static trees (tree=(2, 2, 1)) or chains")
     if tree is not None:  # several earlier matches: distinct continuations as a tree
       return tree_drafters.NgramTreeDrafter(vocab_size=target.config.vocab_size, gamma=gamma,
                                     min_n=int(ngram_min), max_n=int(ngram_max), tree=tree)
@@ -151,6 +157,9 @@ def make_drafter(target: Model, draft: Model | None, drafter: str | None, gamma:
   _check_same_tokens(draft.tokenizer, target.tokenizer, target.config.vocab_size)
   if draft_sample not in DRAFT_SAMPLE_MODES:
     raise ValueError(f"draft_sample must be one of {DRAFT_SAMPLE_MODES}, got {draft_sample!r}")
+  if isinstance(tree, trees.DynamicTree):
+    return tree_drafters.DynamicTreeModelDrafter(config=draft.config, gamma=gamma,
+                                                 sample_mode=draft_sample, tree=tree)
   if tree is not None:
     return tree_drafters.TreeModelDrafter(config=draft.config, gamma=gamma, sample_mode=draft_sample,
                                   tree=tree)

@@ -206,6 +206,7 @@ def decode_round(engine: Engine, weights: Weights, state: DecodeState,
   ys, qs, draft_state, lengths, steps = policy.draft(
       drafter, weights.draft, state, draft_key, sampling.replace(history=state.history),
       narrow)
+  layout = layout.bind(draft_state)  # a dynamic tree's parents come with the proposal
 
   # 2. Verify pass: the pending token and the γ drafts (or every tree node), one call.
   # Position i is processed with the history of the committed prefix + y_1..y_{i-1} (a

@@ -22,6 +22,7 @@ from specjax import drafters as drafters_lib
 from specjax import params as params_lib
 from specjax import results
 from specjax import timing
+from specjax import trees as trees_lib
 from specjax.models import heads as heads_lib
 from specjax.models import sharding
 from specjax.models.tensor_layout import host
@@ -216,6 +217,14 @@ def _on_one_device(target: Model, prompts, given: params_lib.Params) -> Prepared
   if tree is not None and spec.verify_rule not in ("exact", "traversal"):
     raise ValueError(f"tree= works with the exact rule only or verify_rule='traversal', got "
                      f"verify_rule={spec.verify_rule!r}")
+  if isinstance(drafter.tree if tree is not None else None, trees_lib.DynamicTree):
+    if spec.verify_rule != "exact":
+      raise ValueError(f"a DynamicTree is verified by the exact node walk only, got "
+                       f"verify_rule={spec.verify_rule!r}")
+    if pcfg.adjusts:
+      raise ValueError("a DynamicTree takes no logit processors yet (penalties, "
+                       "no_repeat_ngram_size, min_new_tokens, logit_bias, constraint): use a "
+                       "static tree=(2, 2, 1, 1) with them")
   if tree is None and spec.verify_rule == "traversal":
     raise ValueError("verify_rule='traversal' verifies a token tree: pass tree=...; on a "
                      "chain it is block verification, verify_rule='block'")

@@ -5,6 +5,10 @@ last committed token). `Tree.from_branching((k_1, ..., k_d))` gives every node a
 j-1 k_j children; `Tree.from_paths([(0,), (1,), (0, 0)])` takes Medusa-style choices
 (each a path of child ranks from the root). A chain of γ is `from_branching((1,) * γ)`.
 
+A `DynamicTree(nodes, depth, topk)` fixes only how many nodes each depth holds; which
+parent each node hangs from is chosen every round from the draft's own confidence
+(EAGLE-2's expansion and rerank, in static shapes: `drafters.trees.DynamicTreeModelDrafter`).
+
 The drafters of trees live in `specjax.drafters.trees`; the lossless walk down a tree
 and the compaction of its accepted path in `specjax.verify.tree`.
 """
@@ -125,10 +129,72 @@ class Tree:
     return tuple(out)
 
 
+@dataclasses.dataclass(frozen=True)
+class DynamicTree:
+  """A token tree grown each round in a fixed shape: `nodes` nodes over `depth` depths.
+
+  Depth d holds a fixed number of nodes (`level_sizes`; by default depth 1 the root's
+  `topk` best children, the rest spread evenly over the deeper depths), so every shape
+  is static; which parents they hang from is data. Each depth scores every frontier
+  node's `topk` child ranks by the path's cumulative draft log-probability (rank r of a
+  node adds the log of the r-th largest of the draft's raw probabilities there) and keeps
+  the best; those are the next frontier. The score never reads a child's own token or the
+  target, so the walk stays exact (docs/ARCHITECTURE.md, "Dynamic trees").
+  """
+
+  nodes: int
+  depth: int
+  topk: int = 4
+  level_sizes: tuple[int, ...] | None = None
+
+  def __post_init__(self):
+    for name in ("nodes", "depth", "topk"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+        raise ValueError(f"DynamicTree {name} must be an int >= 1, got {v!r}")
+    if self.nodes < self.depth:
+      raise ValueError(f"DynamicTree needs nodes >= depth (one node per depth at least), "
+                       f"got nodes={self.nodes}, depth={self.depth}")
+    if self.level_sizes is None:
+      first = min(self.topk, self.nodes - self.depth + 1)
+      rest, deeper = self.nodes - first, self.depth - 1
+      sizes = [first] + [rest // deeper + (i < rest % deeper) for i in range(deeper)]
+      object.__setattr__(self, "level_sizes", tuple(sizes))
+    sizes = tuple(int(k) for k in self.level_sizes)
+    object.__setattr__(self, "level_sizes", sizes)
+    if len(sizes) != self.depth or sum(sizes) != self.nodes or min(sizes) < 1:
+      raise ValueError(f"DynamicTree level_sizes {sizes} must be {self.depth} counts >= 1 "
+                       f"summing to nodes={self.nodes}")
+    if sizes[0] > self.topk or any(b > a * self.topk for a, b in zip(sizes, sizes[1:])):
+      raise ValueError(f"DynamicTree level_sizes {sizes}: depth 1 holds at most topk="
+                       f"{self.topk} nodes, and depth d+1 at most topk x depth d's")
+
+  @property
+  def num_nodes(self) -> int:
+    return self.nodes
+
+  @property
+  def width(self) -> int:
+    """The most children a node can have (the walk's sibling ranks)."""
+    return min(self.topk, max(self.level_sizes))
+
+  @functools.cached_property
+  def levels(self) -> tuple[tuple[int, int], ...]:
+    """(first node, count) of each depth, breadth-first (static)."""
+    starts = np.concatenate([[0], np.cumsum(self.level_sizes)[:-1]])
+    return tuple((int(a), int(k)) for a, k in zip(starts, self.level_sizes))
+
+  @functools.cached_property
+  def depths(self) -> tuple[int, ...]:
+    return tuple(d + 1 for d, k in enumerate(self.level_sizes) for _ in range(k))
+
+
 def siblings(drafter) -> int:
   """K of the drafter's tree (its widest node's number of children); 1 for a chain."""
   tree = getattr(drafter, "tree", None)
-  return 1 if tree is None else int(tree.children.shape[1])
+  if tree is None:
+    return 1
+  return tree.width if isinstance(tree, DynamicTree) else int(tree.children.shape[1])
 
 
 def best_static(nodes: int, alpha, depth: int | None = None, topk: int | None = None) -> Tree:

@@ -1,6 +1,8 @@
 """Tree drafters: a token tree of candidates per round instead of a chain.
 
-`TreeModelDrafter` (a draft model, depth by depth with a tree mask), `NgramTreeDrafter`
+`TreeModelDrafter` (a draft model, depth by depth with a tree mask),
+`DynamicTreeModelDrafter` (the same, the tree's parents chosen each round from the draft's
+confidence: `trees.DynamicTree`), `NgramTreeDrafter`
 (prompt lookup: distinct continuations of several earlier matches, as a trie cut to the
 tree's shape) and `TreeMedusaDrafter` (Medusa heads: head d drafts every node at depth
 d, in one head pass). Sampled children are drawn without replacement
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,7 +27,8 @@ from specjax.models import kv_cache
 from specjax.models import model as model_lib
 from specjax.processors import history as processors
 from specjax.processors.sampling import pick_by_paths
-from specjax.trees import Tree
+from specjax.trees import DynamicTree, Tree
+from specjax.verify import tree as tree_verify
 
 
 def sample_distinct(key, q, logits, k):
@@ -142,6 +146,103 @@ class TreeModelDrafter(ModelDrafter):
       kv = kv_cache.compact(kv, src, start + 1, jnp.sum(path[:, :fed] >= 0, axis=1))
       kv = kv.rollback(start + 1 + jnp.sum(path[:, :fed] >= 0, axis=1))
     return kv.rollback(jnp.minimum(kv.length, n - 1))
+
+
+@flax.struct.dataclass
+class DynamicDraftState:
+  """A dynamic tree drafter's state: its KV cache, and the parents of the round's nodes
+  (int32[B, N], -1 = the root), which the verify layout reads."""
+  kv: kv_cache.KVState
+  parents: jax.Array
+
+
+def best_candidates(score, count):
+  """int32[B, count]: the `count` best of score [B, C], in candidate order. Ties go to
+  the lower index, so a node's kept children are always its first ranks (a prefix of
+  its draws in draw order), whatever the scores' ties (-inf included)."""
+  c = score.shape[1]
+  i = jnp.arange(c)
+  better = (score[:, None, :] > score[:, :, None]) | (
+      (score[:, None, :] == score[:, :, None]) & (i[None, None, :] < i[None, :, None]))
+  keep = jnp.sum(better, axis=2) < count  # [B, C]: fewer than `count` ahead of it
+  return jax.lax.top_k(jnp.where(keep, c - i[None, :], -1), count)[1].astype(jnp.int32)
+
+
+def rank_scores(logits, cands, q):
+  """[B, F, k]: what child rank r of each frontier node adds to its path's score, the
+  log of the r-th largest raw draft probability there (logits [B, F, V]). It reads
+  neither the child's token (cands) nor its q: were it log q(child), a child's own draw
+  would decide whether its later siblings are tried, and the walk's law would move
+  (tests/test_dynamic_trees.py shows it in float64 and through the engine)."""
+  del q
+  return jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32)), cands.shape[-1])[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicTreeModelDrafter(TreeModelDrafter):
+  """The draft model growing a `DynamicTree`: depth d keeps the tree's d-th level size of
+  the best (frontier node, child rank) pairs by cumulative draft log-probability, where
+  rank r of a node scores the log of the r-th largest raw draft probability at that node
+  (EAGLE-2's expansion and rerank, per depth). The children themselves are drawn as a
+  static tree's are (without replacement, or the top-k), so the walk is unchanged; the
+  kept set reads q's sorted values at the parents, never a child's own token or p."""
+
+  tree: DynamicTree | None = None
+
+  def init(self, batch, size):
+    return DynamicDraftState(kv=super().init(batch, size),
+                             parents=jnp.full((batch, self.tree.num_nodes), -1, jnp.int32))
+
+  def prefill(self, params, state, tokens, n, features=None):
+    return state.replace(kv=super().prefill(params, state.kv, tokens, n, features))
+
+  def propose(self, params, state, tokens, n, key, sampling):
+    tree = self.tree
+    nodes = tree.num_nodes
+    logits, kv = self._catch_up(params, state.kv, tokens, n)
+    b, vocab = tokens.shape[0], logits.shape[-1]
+    node_tokens = jnp.zeros((b, nodes), jnp.int32)
+    node_q = jnp.zeros((b, nodes, vocab), jnp.float32)
+    parents = jnp.full((b, nodes), -1, jnp.int32)
+    anc = tree_verify.root_ancestors(b, nodes)
+    frontier, front_score = logits[:, None], jnp.zeros((b, 1), jnp.float32)
+    front_ids = jnp.full((b, 1), -1, jnp.int32)
+    rel = jnp.arange(kv.size)[None, :] - n[:, None]  # [B, S]: slot - n = node index
+    for level, (first, count) in enumerate(tree.levels):
+      key, sub = jax.random.split(key)
+      f, k = frontier.shape[1], min(tree.topk, count)
+      cands, q = draw_children(self.sample_mode, sub, frontier, sampling, k, None)
+      score = (front_score[:, :, None] + rank_scores(frontier, cands, q)).reshape(b, f * k)
+      idx = best_candidates(score, count)  # [B, count]
+      col = idx // k  # the parent's frontier column
+      ys = jnp.take_along_axis(cands.reshape(b, f * k), idx, axis=1)
+      par = jnp.take_along_axis(front_ids, col, axis=1)
+      node_tokens = node_tokens.at[:, first:first + count].set(ys)
+      node_q = node_q.at[:, first:first + count].set(
+          jnp.take_along_axis(q, col[:, :, None], axis=1))
+      parents = parents.at[:, first:first + count].set(par)
+      anc = tree_verify.add_level(anc, first, par)
+      front_score = jnp.take_along_axis(score, idx, axis=1)
+      front_ids = jnp.broadcast_to(first + jnp.arange(count, dtype=jnp.int32), (b, count))
+      if level + 1 == len(tree.levels):
+        break
+      # Feed this level at slots n + first.., positions n + level, each node seeing the
+      # committed history and its own strict ancestors (this row's tree).
+      own = jnp.arange(nodes)[None, :] == (first + jnp.arange(count))[:, None]  # [c, N]
+      strict = anc[:, first + 1:first + 1 + count, 1:] & ~own[None]  # [B, c, N]
+      seen = jnp.take_along_axis(
+          strict, jnp.broadcast_to(jnp.clip(rel, 0, nodes - 1)[:, None, :],
+                                   (b, count, rel.shape[1])), axis=2)
+      sees = (rel < 0)[:, None, :] | ((rel < nodes)[:, None, :] & seen)
+      positions = jnp.broadcast_to(n[:, None] + level, (b, count))
+      frontier, step_kv = model_lib.forward_cached(
+          self.graphdef, params, ys, kv.rollback(n + first), positions=positions,
+          mask=(jnp.eye(count, dtype=bool), sees))
+      kv = step_kv.rollback(n)
+    return node_tokens, node_q, DynamicDraftState(kv=kv, parents=parents)
+
+  def rollback(self, state, n, features=None, start=None, path=None):
+    return state.replace(kv=super().rollback(state.kv, n, features, start, path))
 
 
 @dataclasses.dataclass(frozen=True)

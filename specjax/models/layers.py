@@ -77,8 +77,8 @@ def attend(q, k, v, cache=None, mask=None, rows_apart=False, values_left=False):
   history. The cache is only read here (it is written after), which lets XLA update it
   in place instead of copying it every step. Heads are grouped for GQA.
   mask: None (causal over the chunk, the first `length` slots of the cache) or, for
-  token trees, (chunk bool[T, T], slots bool[B, T, S] or None): which new tokens and
-  which cache slots each query sees.
+  token trees, (chunk bool[T, T] or, one tree per row, [B, T, T]; slots bool[B, T, S] or
+  None): which new tokens and which cache slots each query sees.
   rows_apart: score and sum the cache for one query row at a time. For a few rows on a
   CPU each row then gets the 1-token step's kernels instead of a general multiply that
   packs the cache (`backends.CpuBackend.rowwise` does the same for the projections).
@@ -90,6 +90,8 @@ def attend(q, k, v, cache=None, mask=None, rows_apart=False, values_left=False):
   kvh = k.shape[2]
   qg = q.reshape(b, t, kvh, h // kvh, d) * (d ** -0.5)
   chunk, slots = (jnp.tril(jnp.ones((t, t), bool)), None) if mask is None else mask
+  if chunk.ndim == 3:  # one tree per row (a dynamic tree): [B, T, T]
+    chunk = chunk[:, None, None]
   scores = [jnp.where(chunk, jnp.einsum("btkgd,bukd->bkgtu", qg, k), -1e30)]
   if cache is not None:
     k_buf, v_buf, length = cache
@@ -130,8 +132,11 @@ def attend_written(q, k_buf, v_buf, length, mask=None):
   u = slot - length[:, None, None]  # this chunk's token at the slot
   in_chunk = (u >= 0) & (u < t)
   chunk, slots = (jnp.tril(jnp.ones((t, t), bool)), None) if mask is None else mask
-  rows = jnp.arange(t)[None, :, None]
-  seen_chunk = in_chunk & chunk[rows, jnp.clip(u, 0, t - 1)]  # [B, T, S]
+  at = jnp.broadcast_to(jnp.clip(u, 0, t - 1), (b, t, s))
+  if chunk.ndim == 3:  # one tree per row (a dynamic tree): [B, T, T]
+    seen_chunk = in_chunk & jnp.take_along_axis(chunk, at, axis=2)  # [B, T, S]
+  else:
+    seen_chunk = in_chunk & chunk[jnp.arange(t)[None, :, None], at]
   seen_old = old if slots is None else old & slots
   seen = seen_old | seen_chunk
   valid = jnp.any(seen, axis=1)  # [B, S]: seen by some query

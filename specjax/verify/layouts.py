@@ -12,6 +12,8 @@ how many slots a round may write, and the rollback of both caches.
          mask, the walk from the root (`verify.tree.walk_batch`, or the rule's own
          `walk_tree`: traversal verification), and the accepted path's KV compacted into
          contiguous slots, so no other branch is read again.
+  DynamicTreeLayout  a `trees.DynamicTree`: the tree's, with this round's parents (the
+         drafter's state, `bind`) giving each row its own mask and children.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from specjax.processors import history as processors
-from specjax.trees import Tree
+from specjax.trees import DynamicTree, Tree
 from specjax.verify import tree as tree_verify
 
 
@@ -29,6 +31,10 @@ from specjax.verify import tree as tree_verify
 class Chain:
   gamma: int
   narrowable = True  # the verify pass may compute only the round's longest draft (CPU)
+
+  def bind(self, draft_state):
+    """The layout of this round's proposal (the drafter's state after `propose`)."""
+    return self
 
   def pass_layout(self, n) -> dict:
     """forward_cached's extra arguments for the pass at length n - 1: none, causal."""
@@ -74,6 +80,9 @@ class TreeLayout:
   deterministic: bool  # the drafter's children are point masses (its top-k)
   narrowable = False
 
+  def bind(self, draft_state):
+    return self
+
   def pass_layout(self, n) -> dict:
     return tree_verify.verify_layout(self.tree, n)
 
@@ -107,9 +116,36 @@ class TreeLayout:
     return target_kv, drafter.rollback(draft_state, n, features, start, path=path)
 
 
+@dataclasses.dataclass(frozen=True)
+class DynamicTreeLayout(TreeLayout):
+  """A dynamic tree: `TreeLayout` with this round's parents int32[B, N] (`bind`)."""
+  parents: object = None
+
+  def bind(self, draft_state):
+    return dataclasses.replace(self, parents=draft_state.parents)
+
+  def pass_layout(self, n) -> dict:
+    return tree_verify.dynamic_layout(self.tree, n,
+                                      tree_verify.ancestors_of(self.tree, self.parents))
+
+  def prefixes(self, sampling, history, ys):
+    if history is not None:  # prepare refuses them: the histories follow static parents
+      raise ValueError("a dynamic tree takes no history-dependent processors")
+    return None
+
+  def verify(self, engine, row_keys, ys, qs, ps, lengths, key, greedy=None, top=None):
+    n_accepted, next_token, overlap, path, by_rank = tree_verify.walk_batch(
+        row_keys, ys, qs, ps, self.tree, self.deterministic, engine.unroll_walk,
+        children=tree_verify.children_of(self.tree, self.parents))
+    return n_accepted, next_token, overlap, path, by_rank, jnp.take_along_axis(
+        ys, jnp.maximum(path, 0), axis=1)
+
+
 def for_drafter(drafter):
   """The layout of a drafter's candidates: its tree's, else a chain of its γ."""
   tree = getattr(drafter, "tree", None)
   if tree is None:
     return Chain(drafter.gamma)
+  if isinstance(tree, DynamicTree):
+    return DynamicTreeLayout(tree, drafter.sample_mode == "greedy")
   return TreeLayout(tree, drafter.sample_mode == "greedy")

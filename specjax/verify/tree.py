@@ -28,7 +28,8 @@ from specjax.trees import Tree
 from specjax.verify.exact import residual
 
 
-def walk(key, node_tokens, node_q, ps, tree: Tree, deterministic: bool, unroll=None):
+def walk(key, node_tokens, node_q, ps, tree: Tree, deterministic: bool, unroll=None,
+         children=None):
   """One row: (n_accepted, next_token, overlap[depth], path int32[depth] (-1 past a),
   by_rank).
 
@@ -44,13 +45,15 @@ def walk(key, node_tokens, node_q, ps, tree: Tree, deterministic: bool, unroll=N
   sibling out of q before judging the next.
   unroll: the loops unrolled (None: but on a CPU; `decode.Engine.unroll_walk`); the same
   numbers either way.
+  children: int32[N+1, K], this row's own `Tree.children` (a `trees.DynamicTree`, whose
+  parents are data); None: the static tree's.
   """
   # On a CPU, rolled loops: unrolled, the program grew with depth x width (the shipped
   # pair's (4, 2, 2, 1) program took 1.5x as long to trace and compile) and ran no
   # faster. Unrolled elsewhere, as it was: a loop's iterations there are not measured.
   unroll = jax.default_backend() != "cpu" if unroll is None else bool(unroll)
-  children = jnp.asarray(tree.children)
-  depth, width = tree.depth, tree.children.shape[1]
+  children = jnp.asarray(tree.children if children is None else children)
+  depth, width = tree.depth, children.shape[1]
   keys = jax.random.split(key, depth * width + 1)
 
   def level(j, c):
@@ -105,10 +108,15 @@ def walk(key, node_tokens, node_q, ps, tree: Tree, deterministic: bool, unroll=N
   return n_accepted, next_token, overlap, path, (tried, taken, chance)
 
 
-def walk_batch(keys, node_tokens, node_q, ps, tree: Tree, deterministic: bool, unroll=None):
-  """`walk` of each row (vmapped over the first four); tree, deterministic, unroll shared."""
-  return jax.vmap(lambda *rows: walk(*rows, tree, deterministic, unroll))(
-      keys, node_tokens, node_q, ps)
+def walk_batch(keys, node_tokens, node_q, ps, tree: Tree, deterministic: bool, unroll=None,
+               children=None):
+  """`walk` of each row (vmapped over the first four, and `children` [B, N+1, K] when
+  given); tree, deterministic, unroll shared."""
+  if children is None:
+    return jax.vmap(lambda *rows: walk(*rows, tree, deterministic, unroll))(
+        keys, node_tokens, node_q, ps)
+  return jax.vmap(lambda k, y, q, p, c: walk(k, y, q, p, tree, deterministic, unroll, c))(
+      keys, node_tokens, node_q, ps, children)
 
 
 def verify_layout(tree: Tree, n):
@@ -123,3 +131,48 @@ def compact_path(kv: kv_cache.KVState, start, path, n_accepted) -> kv_cache.KVSt
   """Target KV after a tree pass written at start (root) and start + 1 + i (node i):
   the accepted nodes' KV moves to start + 1 + j, so the committed history is contiguous."""
   return kv_cache.compact(kv, start[:, None] + 1 + jnp.maximum(path, 0), start + 1, n_accepted)
+
+
+# Dynamic trees (`trees.DynamicTree`): depths are static, parents int32[B, N] are data.
+
+def root_ancestors(batch: int, nodes: int):
+  """bool[B, N+1, N+1] over [root, nodes] before any node hangs anywhere: the root and
+  each row itself; `add_level` fills in each depth's ancestors."""
+  eye = jnp.eye(nodes + 1, dtype=bool).at[:, 0].set(True)
+  return jnp.broadcast_to(eye, (batch, nodes + 1, nodes + 1))
+
+
+def add_level(anc, first: int, parents):
+  """`anc` with nodes first..first+c-1 (parents int32[B, c], -1 = the root) below their
+  parents: each node's row gains its parent's ancestors."""
+  count = parents.shape[1]
+  above = jnp.take_along_axis(anc, (parents + 1)[:, :, None], axis=1)  # [B, c, N+1]
+  rows = slice(first + 1, first + 1 + count)
+  return anc.at[:, rows].set(anc[:, rows] | above)
+
+
+def ancestors_of(tree, parents):
+  """bool[B, N+1, N+1]: `Tree.ancestors` of each row's dynamic tree."""
+  anc = root_ancestors(parents.shape[0], tree.num_nodes)
+  for first, count in tree.levels:
+    anc = add_level(anc, first, parents[:, first:first + count])
+  return anc
+
+
+def children_of(tree, parents):
+  """int32[B, N+1, K]: `Tree.children` of each row's dynamic tree (K = tree.width). A
+  node's children are consecutive and in draw order (`best_candidates`), so a child's
+  rank is the number of earlier nodes with its parent."""
+  b, nodes = parents.shape
+  i = jnp.arange(nodes)
+  same = (parents[:, :, None] == parents[:, None, :]) & (i[None, None, :] < i[None, :, None])
+  rank = jnp.sum(same, axis=2)  # [B, N]
+  rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, nodes))
+  out = jnp.full((b, nodes + 1, tree.width), -1, jnp.int32)
+  return out.at[rows, parents + 1, rank].set(jnp.broadcast_to(i, (b, nodes)), mode="drop")
+
+
+def dynamic_layout(tree, n, ancestors):
+  """`verify_layout` for one tree per row: ancestors bool[B, N+1, N+1]."""
+  depths = jnp.asarray((0,) + tree.depths, jnp.int32)
+  return dict(positions=(n - 1)[:, None] + depths[None, :], mask=(ancestors, None))

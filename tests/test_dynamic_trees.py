@@ -1,0 +1,243 @@
+"""Dynamic token trees (trees.DynamicTree, drafters.trees.DynamicTreeModelDrafter): the
+exact float64 law of the node walk over every tree the per-depth rerank can grow, and the
+reranks that read the target or a child's own token are not lossless; then the engine:
+the law of 3-token continuations at T > 0 with top-p, greedy equality, bad input."""
+
+import itertools
+
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import parameterized
+
+import specjax
+from specjax import trees
+from specjax.drafters import trees as tree_drafters
+from specjax.verify import tree as tree_verify
+from conftest import LAW_ROWS, greedy_oracle, target_and_draft, tiny_model, within_law
+from test_block import filtered_law
+from test_traversal import _models, node_rule_outcomes, target_law
+from test_trees import distinct_draws
+
+
+def grown_trees(dtree, q, raw, mode, fallback, score="rank", p=None):
+  """Every (Tree, node tokens, probability) the dynamic drafter can grow, float64.
+
+  Depth d keeps its level size of (frontier node, child rank) pairs, best first by the
+  path's score, ties to the lower (node, rank); a child of rank r adds log of the r-th
+  largest raw probability at its parent ('rank', the drafter's), or the log of its own
+  token's draft probability ('own') or target probability ('target', with p): the planted
+  reranks."""
+  out = []
+
+  def prefix(parents, tokens, i):
+    s = []
+    while i >= 0:
+      s.append(tokens[i])
+      i = parents[i]
+    return tuple(reversed(s))
+
+  def grow(level, parents, tokens, scores, frontier, prob):
+    if level == dtree.depth:
+      out.append((trees.Tree(tuple(parents)), list(tokens), prob))
+      return
+    count = dtree.level_sizes[level]
+    k = min(dtree.topk, count)
+    pre = [() if f < 0 else prefix(parents, tokens, f) for f in frontier]
+    options = []
+    for s in pre:
+      if mode == "topk":
+        options.append([(list(np.argsort(-q[s], kind="stable")[:k]), 1.0)])
+      else:
+        options.append(distinct_draws(q[s], k, fallback))
+    for combo in itertools.product(*options):
+      cands = []  # (score, index, parent, token)
+      for j, (f, s, (seq, _)) in enumerate(zip(frontier, pre, combo)):
+        base = 0.0 if f < 0 else scores[f]
+        ranked = np.sort(raw[s])[::-1]
+        for r, x in enumerate(seq):
+          if score == "rank":
+            add = ranked[r]
+          elif score == "own":
+            add = q[s][x]
+          else:
+            add = p[s][x]
+          with np.errstate(divide="ignore"):
+            cands.append((base + np.log(add), j * k + r, f, x))
+      kept = sorted(sorted(cands, key=lambda c: (-c[0], c[1]))[:count], key=lambda c: c[1])
+      w = prob * np.prod([wt for _, wt in combo])
+      first = len(parents)
+      grow(level + 1, parents + [c[2] for c in kept], tokens + [int(c[3]) for c in kept],
+           scores + [c[0] for c in kept], list(range(first, first + count)), w)
+
+  grow(0, [], [], [], [-1], 1.0)
+  return out
+
+
+def dynamic_law(dtree, p, q, grown, mode):
+  """The law of the first depth+1 emitted tokens (completed by the target) and the
+  expected accepted tokens, over every grown tree and the node walk's randomness."""
+  vocab, depth = len(p[()]), dtree.depth
+  law, mean = np.zeros((vocab,) * (depth + 1)), 0.0
+  for tree, tokens, wt in grown:
+    for prob, path, nxt in node_rule_outcomes(tree, tokens, p, q, mode):
+      if prob == 0:
+        continue
+      s = tuple(tokens[c] for c in path)
+      mean += wt * prob * len(s)
+      for y in range(vocab):
+        head, mass = s + (y,), wt * prob * nxt[y]
+        for tail in itertools.product(range(vocab), repeat=depth - len(s)):
+          m, cur = mass, head
+          for t in tail:
+            m, cur = m * p[cur][t], cur + (t,)
+          law[cur] += m
+  return law, mean
+
+
+DYNAMIC = [(4, 2, 2), (5, 3, 2), (6, 3, 2)]  # (nodes, depth, topk)
+
+
+class ExactLawTest(parameterized.TestCase):
+
+  @parameterized.parameters(itertools.product(DYNAMIC, ("sampled", "topk")))
+  def test_law_is_p_and_the_keep_set_varies(self, shape, mode):
+    """Summed over every grown tree: the law is p (float64). Sampled children: the trees
+    really differ in shape, and reranking on the target's probability is not lossless.
+    (Top-k children: one tree per context, and the point-mass rule is exact for any
+    distinct tokens fixed before the walk.)"""
+    dtree = trees.DynamicTree(*shape)
+    rng = np.random.default_rng(sum(shape) * 11 + (mode == "topk"))
+    vocab = 3
+    p, q = _models(rng, vocab, dtree.depth, vocab)
+    raw, _ = _models(rng, vocab, dtree.depth, vocab)  # the draft's raw probabilities
+    fallback = [2, 0, 1]
+    grown = grown_trees(dtree, q, raw, mode, fallback)
+    self.assertAlmostEqual(sum(w for *_, w in grown), 1.0, places=12)
+    want = target_law(p, vocab, dtree.depth)
+    law, _ = dynamic_law(dtree, p, q, grown, mode)
+    np.testing.assert_allclose(law, want, atol=1e-12)
+    if mode == "topk":
+      return
+    self.assertGreater(len({t.parents for t, *_ in grown}), 1)  # the shape is data
+    bad, _ = dynamic_law(dtree, p, q, grown_trees(dtree, q, raw, mode, fallback, "target", p),
+                         mode)
+    self.assertGreater(np.abs(bad - want).sum(), 1e-3)
+
+  def test_scoring_children_by_their_own_draws_is_not_lossless(self):
+    """EAGLE-2's score (each sampled child's own q) lets a child's token decide whether
+    its later siblings are tried: the law moves. The drafter's rank scores do not."""
+    dtree = trees.DynamicTree(5, 3, 2)
+    rng = np.random.default_rng(7)
+    p, q = _models(rng, 3, dtree.depth, 3)
+    grown = grown_trees(dtree, q, q, "sampled", [2, 0, 1], "own")
+    law, _ = dynamic_law(dtree, p, q, grown, "sampled")
+    self.assertGreater(np.abs(law - target_law(p, 3, dtree.depth)).sum(), 1e-3)
+
+
+class StructureTest(parameterized.TestCase):
+
+  def test_best_candidates_keeps_rank_prefixes_and_breaks_ties_low(self):
+    score = jnp.array([[0.0, -1.0, -0.5, -jnp.inf, -jnp.inf, -jnp.inf]])
+    np.testing.assert_array_equal(tree_drafters.best_candidates(score, 4), [[0, 1, 2, 3]])
+    np.testing.assert_array_equal(tree_drafters.best_candidates(score, 2), [[0, 2]])
+
+  def test_children_and_ancestors_match_the_static_tree(self):
+    """For the parents of a static tree the dynamic helpers give its children and mask."""
+    dtree = trees.DynamicTree(6, 3, 2, level_sizes=(2, 2, 2))
+    parents = (-1, -1, 0, 0, 3, 3)
+    static = trees.Tree(parents)
+    got = np.asarray(tree_verify.children_of(dtree, jnp.array([parents])))[0]
+    np.testing.assert_array_equal(got, static.children)
+    anc = np.asarray(tree_verify.ancestors_of(dtree, jnp.array([parents])))[0]
+    np.testing.assert_array_equal(anc, static.ancestors)
+    self.assertEqual(dtree.depths, static.depths)
+
+  def test_level_sizes(self):
+    self.assertEqual(trees.DynamicTree(14, 4, 4).level_sizes, (4, 4, 3, 3))
+    self.assertEqual(trees.DynamicTree(14, 4, 2).level_sizes, (2, 4, 4, 4))
+    for kw, msg in [(dict(nodes=2, depth=3), "nodes >= depth"),
+                    (dict(nodes=4, depth=2, topk=0), "topk must be an int"),
+                    (dict(nodes=6, depth=2, topk=2, level_sizes=(3, 3)), "at most topk"),
+                    (dict(nodes=7, depth=2, topk=2, level_sizes=(2, 5)), "at most topk"),
+                    (dict(nodes=6, depth=2, topk=4, level_sizes=(2, 2)), "summing")]:
+      with self.assertRaisesRegex(ValueError, msg):
+        trees.DynamicTree(**kw)
+
+
+ENGINE = {  # name: (DynamicTree, draft_sample, T, top-p)
+    "sampled_T1": ((6, 3, 2), "probabilistic", 1.0, 1.0),
+    "sampled_T08_topp": ((5, 2, 3), "probabilistic", 0.8, 0.9),
+    "topk_T08_topp": ((6, 3, 2), "greedy", 0.8, 0.9),
+}
+
+
+class EngineLawTest(parameterized.TestCase):
+  """The empirical law of LAW_ROWS 3-token continuations with a dynamic tree."""
+
+  @parameterized.named_parameters(*[(name, name) for name in ENGINE])
+  def test_three_token_law(self, name):
+    shape, mode, temperature, top_p = ENGINE[name]
+    target, draft = target_and_draft()
+    prompt = [3, 1, 3]
+    res = specjax.generate(target, [prompt] * LAW_ROWS, max_new_tokens=3, draft=draft,
+                           tree=specjax.DynamicTree(*shape), draft_sample=mode,
+                           temperature=temperature, top_p=top_p, seed=4)
+    ok, worst = within_law(res.tokens, filtered_law(target, prompt, 3, temperature, 0, top_p))
+    self.assertTrue(ok, f"worst z={worst}")
+    self.assertTrue(res.stats["lossless"])
+    self.assertLess(res.stats["acceptance_rate"], 0.95)  # the draft really disagreed
+    self.assertGreater(res.stats["rounds"], LAW_ROWS)  # and rounds were rolled back
+    self.assertEqual(sum(res.stats["sibling_accepted"]), res.stats["accepted"])
+
+
+class GreedyTest(parameterized.TestCase):
+
+  @parameterized.parameters(((8, 3, 3), "greedy"), ((14, 4, 4), "probabilistic"))
+  def test_equals_target_greedy(self, shape, mode):
+    target = tiny_model(vocab=16, n_layers=2, seed=3, sharpness=1.5)
+    draft = tiny_model(vocab=16, d_model=16, seed=8, sharpness=1.5)
+    prompts = [[1, 2, 3, 1, 2, 4, 1, 2], [4, 5, 6, 7, 0, 1, 2, 3, 4], [7]]
+    res = specjax.generate(target, prompts, max_new_tokens=12, draft=draft,
+                           tree=specjax.DynamicTree(*shape), draft_sample=mode)
+    for prompt, out in zip(prompts, res.tokens):
+      self.assertEqual(out, greedy_oracle(target, prompt, 12))
+    self.assertGreater(res.stats["accepted"], 0)
+
+
+class BadInputTest(parameterized.TestCase):
+
+  def test_refused_before_any_work(self):
+    target, draft = target_and_draft()
+    tree = specjax.DynamicTree(4, 2, 2)
+    from test_heads import random_head
+    for kw, msg in [(dict(drafter="ngram"), "needs drafter='model'"),
+                    (dict(draft=random_head(target, "medusa")), "needs drafter='model'"),
+                    (dict(draft=draft, verify_rule="traversal"), "exact node walk only"),
+                    (dict(draft=draft, repetition_penalty=1.2), "no logit processors"),
+                    (dict(draft=draft, gamma=3), "depth 2 but gamma=3")]:
+      with self.assertRaisesRegex(ValueError, msg):
+        specjax.generate(target, [[1, 2]], max_new_tokens=2, tree=tree, **kw)
+
+
+class PlantedEngineTest(parameterized.TestCase):
+  """Last in the file: it clears the compiled engines the tests above share."""
+
+  def test_scoring_by_own_draws_is_caught(self):
+    """The drafter scoring each sampled child by its own q (EAGLE-2's score) fails the
+    engine law check the rank scores pass (the case sampled_T1)."""
+    from unittest import mock
+    from specjax import decode as decode_lib
+
+    def own(logits, cands, q):
+      return jnp.log(jnp.take_along_axis(q, cands, axis=-1) + 1e-30)
+
+    with mock.patch.object(tree_drafters, "rank_scores", own):
+      decode_lib.decode.clear_cache()
+      try:
+        target, draft = target_and_draft()
+        res = specjax.generate(target, [[3, 1, 3]] * LAW_ROWS, max_new_tokens=3, draft=draft,
+                               tree=specjax.DynamicTree(6, 3, 2), temperature=1.0, seed=4)
+      finally:
+        decode_lib.decode.clear_cache()
+    ok, worst = within_law(res.tokens, filtered_law(target, [3, 1, 3], 3, 1.0, 0, 1.0))
+    self.assertFalse(ok, f"the own-draw score passed (worst z={worst})")
