@@ -304,3 +304,12 @@ def compare_samples(target, prompts, n: int, kw: dict, repeats: int) -> dict:
   return dict(call_s={k: statistics.median(v) for k, v in times.items()},
               repeated_over_n=quartiles(ratios),
               prefill_share_of_repeated=quartiles(shares), calls=len(ratios))
+
+
+def per_call(stats: dict) -> tuple[float, float]:
+  """(tokens per target call, its standard error) from the committed-per-round histogram."""
+  hist = stats["committed_hist"]
+  n = sum(hist)
+  mean = sum(k * c for k, c in enumerate(hist)) / n
+  var = sum(c * (k - mean) ** 2 for k, c in enumerate(hist)) / max(n - 1, 1)
+  return mean, (var / n) ** 0.5

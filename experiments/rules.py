@@ -68,20 +68,11 @@ def compare(target, prompts, kw: dict, repeats: int, rules: tuple[str, str]) -> 
                                                           round_s[base])]))
 
 
-def per_call(stats: dict) -> tuple[float, float]:
-  """(tokens per target call, its standard error) from the committed-per-round histogram."""
-  hist = stats["committed_hist"]
-  n = sum(hist)
-  mean = sum(k * c for k, c in enumerate(hist)) / n
-  var = sum(c * (k - mean) ** 2 for k, c in enumerate(hist)) / max(n - 1, 1)
-  return mean, (var / n) ** 0.5
-
-
 def counted(target, prompts, kw: dict, rules: tuple[str, str]) -> dict:
   """One batched call per rule (the same prompts and seed): tokens per target call with
   its standard error, and method − baseline with the error of the difference."""
   base, method = rules
-  out = {rule: per_call(specjax.generate(target, prompts, seed=0, verify_rule=rule,
+  out = {rule: common.per_call(specjax.generate(target, prompts, seed=0, verify_rule=rule,
                                          **kw).stats) for rule in rules}
   gain = out[method][0] - out[base][0]
   return dict(batched={rule: {"mean": round(m, 4), "se": round(e, 4)}

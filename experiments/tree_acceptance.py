@@ -1,0 +1,117 @@
+"""τ against the node budget: hand-picked, optimised static and dynamic trees (issue #52).
+
+  python -m experiments.tree_acceptance                     # N = 14, T = 0 and 1
+  python -m experiments.tree_acceptance --nodes=8,14,24 --temperature=1.0 --repeats=0
+
+For each temperature and node budget N, on the shipped pair with the draft model: one
+batched call over --batch_prompts held-out prompts (same prompts and seed) per tree
+counts τ, tokens per target call, with its standard error from the committed-per-round
+histogram:
+  hand-picked  `--handpicked` (2,2,1,1 by default; only where it has N nodes),
+  optimised    `trees.best_static(N, α̂ by sibling rank, depth, topk)`, α̂ measured on a
+               probe tree (topk root children, then a chain) at the same temperature,
+  dynamic      `specjax.DynamicTree(N, depth, topk)`.
+Then the dynamic and the optimised tree decode --num_prompts prompts one a call with the
+same seeds, alternating (order flipped from call to call), for the quartiles of the
+per-call ratio of the round's time (call time / rounds). Printed, and JSON lines with --out.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from absl import app
+from absl import flags
+
+import specjax
+from experiments import common
+from specjax import trees
+
+_NODES = flags.DEFINE_list("nodes", ["14"], "Node budgets N.")
+_TEMPS = flags.DEFINE_list("temperature", ["0.0", "1.0"], "Temperatures.")
+_DEPTH = flags.DEFINE_integer("depth", 4, "Tree depth (dynamic and optimised).")
+_TOPK = flags.DEFINE_integer("topk", 4, "Children per node at most (dynamic and optimised).")
+_HAND = flags.DEFINE_list("handpicked", ["2", "2", "1", "1"], "The hand-picked static tree.")
+_BATCH = flags.DEFINE_integer("batch_prompts", 64, "Prompts of each counting call.")
+_PROMPTS = flags.DEFINE_integer("num_prompts", 4, "Prompts of the paired timing (one a call).")
+_PROMPT_TOKENS = flags.DEFINE_integer("prompt_tokens", 32, "Tokens per prompt.")
+_NEW = flags.DEFINE_integer("max_new_tokens", 64, "New tokens per call.")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed passes over the prompts (0: none).")
+_OUT = flags.DEFINE_string("out", None, "JSON-lines file for the rows.")
+
+
+def tau(target, prompts, kw: dict, tree) -> dict:
+  stats = specjax.generate(target, prompts, seed=0, tree=tree, **kw).stats
+  mean, se = common.per_call(stats)
+  return dict(mean=round(mean, 4), se=round(se, 4), alpha_by_sibling=stats["alpha_by_sibling"],
+              lossless=stats["lossless"])
+
+
+def paired_rounds(target, prompts, kw: dict, trees_by_name: dict, repeats: int) -> dict:
+  """Quartiles of the per-call round-time ratio first / second tree, alternating."""
+  (a, ta), (b, tb) = trees_by_name.items()
+  call = lambda tree, i: specjax.generate(target, [prompts[i]], seed=i, tree=tree, **kw)
+  rounds = {name: [call(t, i).stats["rounds"] for i in range(len(prompts))]
+            for name, t in trees_by_name.items()}  # compiles both, too
+  secs = {a: [], b: []}
+  for r in range(repeats):
+    for i in range(len(prompts)):
+      for name in ((a, b) if (r + i) % 2 == 0 else (b, a)):
+        start = time.perf_counter()
+        call(trees_by_name[name], i)  # host lists: the call has finished
+        secs[name].append((time.perf_counter() - start) / rounds[name][i])
+  return common.quartiles([x / y for x, y in zip(secs[a], secs[b])])
+
+
+def main(argv):
+  del argv
+  target, _, kw = common.drafter_pair("stdlib-target", "model", None, None)
+  kw.pop("gamma")
+  many = common.heldout_prompts(target.tokenizer, "stdlib", _BATCH.value, _PROMPT_TOKENS.value,
+                                seed=1)
+  few = common.heldout_prompts(target.tokenizer, "stdlib", _PROMPTS.value, _PROMPT_TOKENS.value)
+  hand = trees.Tree.from_branching(tuple(int(k) for k in _HAND.value))
+  depth, topk = _DEPTH.value, _TOPK.value
+  probe = (topk,) + (1,) * (depth - 1)
+  rows = []
+  for temperature in map(float, _TEMPS.value):
+    run_kw = dict(kw, temperature=temperature, max_new_tokens=_NEW.value)
+    alpha = [a if a == a else 0.0  # a rank never tried: nan
+             for a in tau(target, many, run_kw, probe)["alpha_by_sibling"]]
+    for nodes in map(int, _NODES.value):
+      shapes = {}
+      if hand.num_nodes == nodes:
+        shapes["handpicked"] = hand
+      shapes["optimised"] = trees.best_static(nodes, alpha, depth=depth, topk=topk)
+      shapes["dynamic"] = specjax.DynamicTree(nodes, depth, topk)
+      out = {name: tau(target, many, run_kw, t) for name, t in shapes.items()}
+      row = dict(temperature=temperature, nodes=nodes, alpha_probe=alpha,
+                 optimised_parents=list(shapes["optimised"].parents),
+                 dynamic_levels=list(shapes["dynamic"].level_sizes),
+                 tau={k: {"mean": v["mean"], "se": v["se"]} for k, v in out.items()},
+                 lossless=all(v["lossless"] for v in out.values()))
+      d = out["dynamic"]["mean"]
+      row["dynamic_over"] = {k: round(d / v["mean"], 4) for k, v in out.items()
+                             if k != "dynamic"}
+      if _REPEATS.value:
+        row["round_ratio_dynamic_over_optimised"] = paired_rounds(
+            target, few, run_kw, {"dynamic": shapes["dynamic"],
+                                  "optimised": shapes["optimised"]}, _REPEATS.value)
+      rows.append(row)
+      line = f"T={temperature} N={nodes}: τ " + ", ".join(
+          f"{k} {v['mean']:.3f} ± {v['se']:.3f}" for k, v in out.items())
+      line += "; dynamic / " + ", ".join(f"{k} {v:.3f}" for k, v in row["dynamic_over"].items())
+      if _REPEATS.value:
+        q = row["round_ratio_dynamic_over_optimised"]
+        line += (f"; round time dynamic/optimised {q['median']:.3f} [{q['q1']:.3f}, "
+                 f"{q['q3']:.3f}]")
+      print(line, flush=True)
+  if _OUT.value:
+    with open(_OUT.value, "w") as f:
+      for row in rows:
+        f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+  app.run(main)
