@@ -15,7 +15,7 @@ from specjax.drafters import trees as tree_drafters
 from specjax.verify import tree as tree_verify
 from conftest import LAW_ROWS, greedy_oracle, target_and_draft, tiny_model, within_law
 from test_block import filtered_law
-from test_traversal import _models, node_rule_outcomes, target_law
+from test_traversal import _models, law_over, node_rule_outcomes, target_law
 from test_trees import distinct_draws
 
 
@@ -76,22 +76,7 @@ def grown_trees(dtree, q, raw, mode, fallback, score="rank", p=None):
 def dynamic_law(dtree, p, q, grown, mode):
   """The law of the first depth+1 emitted tokens (completed by the target) and the
   expected accepted tokens, over every grown tree and the node walk's randomness."""
-  vocab, depth = len(p[()]), dtree.depth
-  law, mean = np.zeros((vocab,) * (depth + 1)), 0.0
-  for tree, tokens, wt in grown:
-    for prob, path, nxt in node_rule_outcomes(tree, tokens, p, q, mode):
-      if prob == 0:
-        continue
-      s = tuple(tokens[c] for c in path)
-      mean += wt * prob * len(s)
-      for y in range(vocab):
-        head, mass = s + (y,), wt * prob * nxt[y]
-        for tail in itertools.product(range(vocab), repeat=depth - len(s)):
-          m, cur = mass, head
-          for t in tail:
-            m, cur = m * p[cur][t], cur + (t,)
-          law[cur] += m
-  return law, mean
+  return law_over(grown, p, q, mode, node_rule_outcomes, dtree.depth)
 
 
 DYNAMIC = [(4, 2, 2), (5, 3, 2), (6, 3, 2)]  # (nodes, depth, topk)

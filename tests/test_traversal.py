@@ -126,9 +126,15 @@ def node_rule_outcomes(tree, tokens, p, q, mode):
 def output_law(tree, p, q, mode, outcomes, fallback):
   """(law of the first depth+1 emitted tokens, completed by the target; expected
   accepted tokens), over every draft tree and the rule's randomness."""
-  vocab, depth = len(p[()]), tree.depth
+  drafts = [(tree, tokens, wt) for tokens, wt in _draft_trees(tree, q, mode, fallback)]
+  return law_over(drafts, p, q, mode, outcomes, tree.depth)
+
+
+def law_over(drafts, p, q, mode, outcomes, depth):
+  """`output_law` over given (tree, node tokens, probability) drafts."""
+  vocab = len(p[()])
   law, mean = np.zeros((vocab,) * (depth + 1)), 0.0
-  for tokens, wt in _draft_trees(tree, q, mode, fallback):
+  for tree, tokens, wt in drafts:
     for prob, path, nxt in outcomes(tree, tokens, p, q, mode):
       if prob == 0:
         continue

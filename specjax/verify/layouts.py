@@ -94,10 +94,16 @@ class TreeLayout:
     return processors.tree_histories(sampling.pcfg, sampling.procs, history, ys,
                                      self.tree.parents)
 
+  def children(self):
+    """The walk's children int32[B, N+1, K] where each row has its own tree; else None."""
+    return None
+
   def verify(self, engine, row_keys, ys, qs, ps, lengths, key, greedy=None, top=None):
     walk = getattr(engine.rule, "walk_tree", tree_verify.walk_batch)
+    children = self.children()
+    kw = {} if children is None else {"children": children}
     n_accepted, next_token, overlap, path, by_rank = walk(
-        row_keys, ys, qs, ps, self.tree, self.deterministic, engine.unroll_walk)
+        row_keys, ys, qs, ps, self.tree, self.deterministic, engine.unroll_walk, **kw)
     return n_accepted, next_token, overlap, path, by_rank, jnp.take_along_axis(
         ys, jnp.maximum(path, 0), axis=1)  # the accepted path's tokens
 
@@ -133,12 +139,8 @@ class DynamicTreeLayout(TreeLayout):
       raise ValueError("a dynamic tree takes no history-dependent processors")
     return None
 
-  def verify(self, engine, row_keys, ys, qs, ps, lengths, key, greedy=None, top=None):
-    n_accepted, next_token, overlap, path, by_rank = tree_verify.walk_batch(
-        row_keys, ys, qs, ps, self.tree, self.deterministic, engine.unroll_walk,
-        children=tree_verify.children_of(self.tree, self.parents))
-    return n_accepted, next_token, overlap, path, by_rank, jnp.take_along_axis(
-        ys, jnp.maximum(path, 0), axis=1)
+  def children(self):
+    return tree_verify.children_of(self.tree, self.parents)
 
 
 def for_drafter(drafter):
