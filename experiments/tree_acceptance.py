@@ -10,8 +10,11 @@ histogram:
   hand-picked  `--handpicked` (2,2,1,1 by default; only where it has N nodes),
   optimised    `trees.best_static(N, α̂ by sibling rank, depth, topk)`, α̂ measured on a
                probe tree (topk root children, then a chain) at the same temperature,
-  dynamic      `specjax.DynamicTree(N, depth, topk)`.
-Then the dynamic and the optimised tree decode --num_prompts prompts one a call with the
+  dynamic      `specjax.DynamicTree(N, depth, topk)`: raw rank scores,
+  dynamic_alpha  the same with alpha=α̂ (sampled children priced by the alpha model),
+  dynamic_like   `DynamicTree.like(optimised, alpha=α̂)`: the optimised tree's nodes per
+               depth, parents chosen each round.
+Then dynamic_like and the optimised tree decode --num_prompts prompts one a call with the
 same seeds, alternating (order flipped from call to call), for the quartiles of the
 per-call ratio of the round's time (call time / rounds). Printed, and JSON lines with --out.
 """
@@ -85,26 +88,29 @@ def main(argv):
         shapes["handpicked"] = hand
       shapes["optimised"] = trees.best_static(nodes, alpha, depth=depth, topk=topk)
       shapes["dynamic"] = specjax.DynamicTree(nodes, depth, topk)
+      shapes["dynamic_alpha"] = specjax.DynamicTree(nodes, depth, topk, alpha=alpha)
+      shapes["dynamic_like"] = specjax.DynamicTree.like(shapes["optimised"], alpha=alpha)
       out = {name: tau(target, many, run_kw, t) for name, t in shapes.items()}
       row = dict(temperature=temperature, nodes=nodes, alpha_probe=alpha,
                  optimised_parents=list(shapes["optimised"].parents),
-                 dynamic_levels=list(shapes["dynamic"].level_sizes),
+                 dynamic_levels={k: list(t.level_sizes) for k, t in shapes.items()
+                                 if k.startswith("dynamic")},
                  tau={k: {"mean": v["mean"], "se": v["se"]} for k, v in out.items()},
                  lossless=all(v["lossless"] for v in out.values()))
-      d = out["dynamic"]["mean"]
-      row["dynamic_over"] = {k: round(d / v["mean"], 4) for k, v in out.items()
-                             if k != "dynamic"}
+      static = [k for k in out if not k.startswith("dynamic")]
+      row["dynamic_over"] = {f"{d}/{k}": round(out[d]["mean"] / out[k]["mean"], 4)
+                             for d in out if d.startswith("dynamic") for k in static}
       if _REPEATS.value:
-        row["round_ratio_dynamic_over_optimised"] = paired_rounds(
-            target, few, run_kw, {"dynamic": shapes["dynamic"],
+        row["round_ratio_dynamic_like_over_optimised"] = paired_rounds(
+            target, few, run_kw, {"dynamic_like": shapes["dynamic_like"],
                                   "optimised": shapes["optimised"]}, _REPEATS.value)
       rows.append(row)
       line = f"T={temperature} N={nodes}: τ " + ", ".join(
           f"{k} {v['mean']:.3f} ± {v['se']:.3f}" for k, v in out.items())
-      line += "; dynamic / " + ", ".join(f"{k} {v:.3f}" for k, v in row["dynamic_over"].items())
+      line += "; " + ", ".join(f"{k} {v:.3f}" for k, v in row["dynamic_over"].items())
       if _REPEATS.value:
-        q = row["round_ratio_dynamic_over_optimised"]
-        line += (f"; round time dynamic/optimised {q['median']:.3f} [{q['q1']:.3f}, "
+        q = row["round_ratio_dynamic_like_over_optimised"]
+        line += (f"; round time dynamic_like/optimised {q['median']:.3f} [{q['q1']:.3f}, "
                  f"{q['q3']:.3f}]")
       print(line, flush=True)
   if _OUT.value:

@@ -140,12 +140,21 @@ class DynamicTree:
   node adds the log of the r-th largest of the draft's raw probabilities there) and keeps
   the best; those are the next frontier. The score never reads a child's own token or the
   target, so the walk stays exact (docs/ARCHITECTURE.md, "Dynamic trees").
+
+  `alpha`: the measured acceptance by sibling rank at the run's temperature (a tree run's
+  `stats["alpha_by_sibling"]`, as `best_static` takes it). Given, it prices the sampled
+  children of T > 0 rows: rank 0 by the node's confidence, later ranks by alpha
+  (`drafters.trees.rank_scores`). Without it, and for top-k children, rank r scores the
+  r-th largest draft probability, which prices a sampled first draw at a flat node far
+  below what it is accepted with. `DynamicTree.like(tree, alpha)` takes a static tree's
+  node count, depth, width and per-depth sizes (for example `best_static`'s).
   """
 
   nodes: int
   depth: int
   topk: int = 4
   level_sizes: tuple[int, ...] | None = None
+  alpha: tuple[float, ...] | None = None
 
   def __post_init__(self):
     for name in ("nodes", "depth", "topk"):
@@ -168,6 +177,20 @@ class DynamicTree:
     if sizes[0] > self.topk or any(b > a * self.topk for a, b in zip(sizes, sizes[1:])):
       raise ValueError(f"DynamicTree level_sizes {sizes}: depth 1 holds at most topk="
                        f"{self.topk} nodes, and depth d+1 at most topk x depth d's")
+    if self.alpha is not None:
+      rates = np.atleast_1d(np.asarray(self.alpha, np.float64))
+      if (rates.ndim != 1 or not len(rates) or not np.all(np.isfinite(rates))
+          or np.any((rates < 0) | (rates > 1))):
+        raise ValueError(f"DynamicTree alpha must be acceptance rates in [0, 1] by sibling "
+                         f"rank, got {self.alpha!r}")
+      object.__setattr__(self, "alpha", tuple(float(a) for a in rates))
+
+  @classmethod
+  def like(cls, tree: "Tree", alpha=None) -> "DynamicTree":
+    """A dynamic tree with a static tree's nodes, depth, width and nodes per depth."""
+    sizes = np.bincount(np.asarray(tree.depths), minlength=tree.depth + 1)[1:]
+    return cls(tree.num_nodes, tree.depth, int(tree.children.shape[1]),
+               level_sizes=tuple(int(k) for k in sizes), alpha=alpha)
 
   @property
   def num_nodes(self) -> int:

@@ -19,13 +19,26 @@ from test_traversal import _models, law_over, node_rule_outcomes, target_law
 from test_trees import distinct_draws
 
 
+def alpha_rank_values(ranked, k, alpha):
+  """P(rank r accepted) by the drafter's model for sampled children with `alpha` (written
+  out again here): a = α₀ + (1 − α₀)·max², rank r ≥ 1: (1 − a) Π_{1≤s<r}(1 − α_s) α_r."""
+  a = [alpha[min(r, len(alpha) - 1)] for r in range(k)]
+  first = a[0] + (1 - a[0]) * ranked[0] ** 2
+  out, reach = [first], 1 - first
+  for r in range(1, k):
+    out.append(reach * a[r])
+    reach *= 1 - a[r]
+  return out
+
+
 def grown_trees(dtree, q, raw, mode, fallback, score="rank", p=None):
   """Every (Tree, node tokens, probability) the dynamic drafter can grow, float64.
 
   Depth d keeps its level size of (frontier node, child rank) pairs, best first by the
   path's score, ties to the lower (node, rank); a child of rank r adds log of the r-th
-  largest raw probability at its parent ('rank', the drafter's), or the log of its own
-  token's draft probability ('own') or target probability ('target', with p): the planted
+  largest raw probability at its parent ('rank', the drafter's), the drafter's alpha
+  model of sampled children ('alpha', with dtree.alpha), or the log of its own token's
+  draft probability ('own') or target probability ('target', with p): the planted
   reranks."""
   out = []
 
@@ -54,9 +67,12 @@ def grown_trees(dtree, q, raw, mode, fallback, score="rank", p=None):
       for j, (f, s, (seq, _)) in enumerate(zip(frontier, pre, combo)):
         base = 0.0 if f < 0 else scores[f]
         ranked = np.sort(raw[s])[::-1]
+        priced = alpha_rank_values(ranked, k, dtree.alpha) if score == "alpha" else None
         for r, x in enumerate(seq):
           if score == "rank":
             add = ranked[r]
+          elif score == "alpha":
+            add = priced[r]
           elif score == "own":
             add = q[s][x]
           else:
@@ -84,19 +100,21 @@ DYNAMIC = [(4, 2, 2), (5, 3, 2), (6, 3, 2)]  # (nodes, depth, topk)
 
 class ExactLawTest(parameterized.TestCase):
 
-  @parameterized.parameters(itertools.product(DYNAMIC, ("sampled", "topk")))
-  def test_law_is_p_and_the_keep_set_varies(self, shape, mode):
-    """Summed over every grown tree: the law is p (float64). Sampled children: the trees
-    really differ in shape, and reranking on the target's probability is not lossless.
-    (Top-k children: one tree per context, and the point-mass rule is exact for any
-    distinct tokens fixed before the walk.)"""
-    dtree = trees.DynamicTree(*shape)
+  @parameterized.parameters(*itertools.product(DYNAMIC, ("sampled", "topk"), ("rank",)),
+                            *itertools.product(DYNAMIC, ("sampled",), ("alpha",)))
+  def test_law_is_p_and_the_keep_set_varies(self, shape, mode, score):
+    """Summed over every grown tree: the law is p (float64), for the raw rank scores and
+    for the alpha model of sampled children. Sampled children: the trees really differ in
+    shape, and reranking on the target's probability is not lossless. (Top-k children:
+    one tree per context, and the point-mass rule is exact for any distinct tokens fixed
+    before the walk.)"""
+    dtree = trees.DynamicTree(*shape, alpha=(0.6, 0.3) if score == "alpha" else None)
     rng = np.random.default_rng(sum(shape) * 11 + (mode == "topk"))
     vocab = 3
     p, q = _models(rng, vocab, dtree.depth, vocab)
     raw, _ = _models(rng, vocab, dtree.depth, vocab)  # the draft's raw probabilities
     fallback = [2, 0, 1]
-    grown = grown_trees(dtree, q, raw, mode, fallback)
+    grown = grown_trees(dtree, q, raw, mode, fallback, score)
     self.assertAlmostEqual(sum(w for *_, w in grown), 1.0, places=12)
     want = target_law(p, vocab, dtree.depth)
     law, _ = dynamic_law(dtree, p, q, grown, mode)
@@ -144,14 +162,24 @@ class StructureTest(parameterized.TestCase):
                     (dict(nodes=4, depth=2, topk=0), "topk must be an int"),
                     (dict(nodes=6, depth=2, topk=2, level_sizes=(3, 3)), "at most topk"),
                     (dict(nodes=7, depth=2, topk=2, level_sizes=(2, 5)), "at most topk"),
-                    (dict(nodes=6, depth=2, topk=4, level_sizes=(2, 2)), "summing")]:
+                    (dict(nodes=6, depth=2, topk=4, level_sizes=(2, 2)), "summing"),
+                    (dict(nodes=4, depth=2, alpha=(0.5, float("nan"))), "alpha must be"),
+                    (dict(nodes=4, depth=2, alpha=(1.2,)), "alpha must be"),
+                    (dict(nodes=4, depth=2, alpha=()), "alpha must be")]:
       with self.assertRaisesRegex(ValueError, msg):
         trees.DynamicTree(**kw)
 
+  def test_like_takes_a_static_trees_shape(self):
+    static = trees.Tree((-1, -1, -1, 0, 0, 1, 3, 3, 4, 5, 6, 6, 7, 9))
+    dtree = trees.DynamicTree.like(static, alpha=[0.7, 0.4])
+    self.assertEqual((dtree.nodes, dtree.depth, dtree.topk), (14, 4, 3))
+    self.assertEqual(dtree.level_sizes, (3, 3, 4, 4))
+    self.assertEqual(dtree.alpha, (0.7, 0.4))
 
-ENGINE = {  # name: (DynamicTree, draft_sample, T, top-p)
+
+ENGINE = {  # name: (DynamicTree's arguments, draft_sample, T, top-p)
     "sampled_T1": ((6, 3, 2), "probabilistic", 1.0, 1.0),
-    "sampled_T08_topp": ((5, 2, 3), "probabilistic", 0.8, 0.9),
+    "sampled_alpha_T08_topp": ((5, 2, 3, None, (0.6, 0.3)), "probabilistic", 0.8, 0.9),
     "topk_T08_topp": ((6, 3, 2), "greedy", 0.8, 0.9),
 }
 
@@ -213,7 +241,7 @@ class PlantedEngineTest(parameterized.TestCase):
     from unittest import mock
     from specjax import decode as decode_lib
 
-    def own(logits, cands, q):
+    def own(logits, cands, q, *_):
       return jnp.log(jnp.take_along_axis(q, cands, axis=-1) + 1e-30)
 
     with mock.patch.object(tree_drafters, "rank_scores", own):

@@ -168,14 +168,81 @@ def best_candidates(score, count):
   return jax.lax.top_k(jnp.where(keep, c - i[None, :], -1), count)[1].astype(jnp.int32)
 
 
-def rank_scores(logits, cands, q):
-  """[B, F, k]: what child rank r of each frontier node adds to its path's score, the
-  log of the r-th largest raw draft probability there (logits [B, F, V]). It reads
-  neither the child's token (cands) nor its q: were it log q(child), a child's own draw
-  would decide whether its later siblings are tried, and the walk's law would move
-  (tests/test_dynamic_trees.py shows it in float64 and through the engine)."""
+def rank_scores(logits, cands, q, sampled=None, alpha=None):
+  """[B, F, k]: what child rank r of each frontier node adds to its path's score: the
+  log of an estimate of P(child r is the one accepted) made from the draft's raw
+  probabilities at the node alone (logits [B, F, V]).
+
+  Top-k children (T = 0 rows, greedy drafts): the r-th largest raw probability, what the
+  point-mass rule accepts with if the draft is calibrated. Sampled children of the rows
+  in `sampled` (bool[B]) when `alpha`, the measured acceptance by sibling rank, is given:
+  the first draw is accepted with a(v) = α₀ + (1 − α₀)·m², m the node's largest raw
+  probability, and rank r ≥ 1 with (1 − a(v)) Π_{1≤s<r} (1 − α_s) α_r. (On the shipped
+  pair Σ min(p, q) of a sampled draw is ~0.57 wherever m < 0.3 and follows c + (1 − c)·m²
+  above; raw m would price a flat node's first draw ~9x too low.) Either reads neither a
+  child's token (cands) nor its q: were it log q(child), a child's own draw would decide
+  whether its later siblings are tried, and the walk's law would move
+  (tests/test_dynamic_trees.py shows it in float64 and through the engine).
+
+  sampled=None: the host knows no row samples. Top-k children are the r-th largest
+  themselves, so their values are read at cands (the same numbers): a `lax.top_k` over
+  the vocabulary per frontier node doubled the round on XLA:CPU."""
   del q
-  return jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32)), cands.shape[-1])[0]
+  k = cands.shape[-1]
+  logits = logits.astype(jnp.float32)
+  lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+  fixed = jnp.take_along_axis(logits, cands, axis=-1) - lse
+  if sampled is None:
+    return fixed
+  if alpha is None:
+    ranked = jax.lax.top_k(logits, k)[0] - lse
+  else:
+    a = np.array([alpha[min(r, len(alpha) - 1)] for r in range(k)])
+    later = np.cumprod(np.concatenate([[1.0], 1 - a[1:-1]])) * a[1:]  # rank r >= 1, reached
+    first = a[0] + (1 - a[0]) * jnp.exp(2 * (jnp.max(logits, -1, keepdims=True) - lse))
+    est = jnp.concatenate([first, (1 - first) * jnp.asarray(later, jnp.float32)], axis=-1)
+    ranked = jnp.log(jnp.maximum(est, 1e-30))
+  return jnp.where(sampled[:, None, None], ranked, fixed)
+
+
+def _sampled_rows(sample_mode, sampling):
+  """bool[B]: the rows whose children are draws; None where the host knows there are none."""
+  if sample_mode == "greedy" or sampling.paths.greedy is True:
+    return None
+  return sampling.temperature > 0
+
+
+def dynamic_level(tree, level, sample_mode, key, frontier, sampling, front_score, front_ids,
+                  sampled):
+  """One depth of a dynamic tree from its frontier's logits [B, F, V]: the level's tokens
+  [B, c], each node's parent column in the frontier [B, c] and parent node (-1: root), the
+  q each was drawn from [B, c, V], and the kept nodes' path scores [B, c]."""
+  count = tree.levels[level][1]
+  b, f = frontier.shape[:2]
+  k = min(tree.topk, count)
+  cands, q = draw_children(sample_mode, key, frontier, sampling, k, None)
+  score = (front_score[:, :, None] + rank_scores(frontier, cands, q, sampled, tree.alpha)
+           ).reshape(b, f * k)
+  idx = best_candidates(score, count)  # [B, count]
+  col = idx // k
+  ys = jnp.take_along_axis(cands.reshape(b, f * k), idx, axis=1)
+  par = jnp.take_along_axis(front_ids, col, axis=1)
+  return (ys, col, par, jnp.take_along_axis(q, col[:, :, None], axis=1),
+          jnp.take_along_axis(score, idx, axis=1))
+
+
+def level_sees(anc, first, count, rel):
+  """bool[B, c, S]: the cache slots the level's nodes attend when fed at slots base +
+  first.. (rel = slot - base): the committed history and each node's own strict ancestors
+  in its row's tree (anc bool[B, N+1, N+1], `verify.tree`), never a sibling branch; the
+  chunk's own mask is the identity."""
+  b, nodes = anc.shape[0], anc.shape[1] - 1
+  own = jnp.arange(nodes)[None, :] == (first + jnp.arange(count))[:, None]  # [c, N]
+  strict = anc[:, first + 1:first + 1 + count, 1:] & ~own[None]  # [B, c, N]
+  seen = jnp.take_along_axis(
+      strict, jnp.broadcast_to(jnp.clip(rel, 0, nodes - 1)[:, None, :],
+                               (b, count, rel.shape[1])), axis=2)
+  return (rel < 0)[:, None, :] | ((rel < nodes)[:, None, :] & seen)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,32 +275,20 @@ class DynamicTreeModelDrafter(TreeModelDrafter):
     frontier, front_score = logits[:, None], jnp.zeros((b, 1), jnp.float32)
     front_ids = jnp.full((b, 1), -1, jnp.int32)
     rel = jnp.arange(kv.size)[None, :] - n[:, None]  # [B, S]: slot - n = node index
+    sampled = _sampled_rows(self.sample_mode, sampling)
     for level, (first, count) in enumerate(tree.levels):
       key, sub = jax.random.split(key)
-      f, k = frontier.shape[1], min(tree.topk, count)
-      cands, q = draw_children(self.sample_mode, sub, frontier, sampling, k, None)
-      score = (front_score[:, :, None] + rank_scores(frontier, cands, q)).reshape(b, f * k)
-      idx = best_candidates(score, count)  # [B, count]
-      col = idx // k  # the parent's frontier column
-      ys = jnp.take_along_axis(cands.reshape(b, f * k), idx, axis=1)
-      par = jnp.take_along_axis(front_ids, col, axis=1)
+      ys, _, par, q, front_score = dynamic_level(tree, level, self.sample_mode, sub, frontier,
+                                                 sampling, front_score, front_ids, sampled)
       node_tokens = node_tokens.at[:, first:first + count].set(ys)
-      node_q = node_q.at[:, first:first + count].set(
-          jnp.take_along_axis(q, col[:, :, None], axis=1))
+      node_q = node_q.at[:, first:first + count].set(q)
       parents = parents.at[:, first:first + count].set(par)
       anc = tree_verify.add_level(anc, first, par)
-      front_score = jnp.take_along_axis(score, idx, axis=1)
       front_ids = jnp.broadcast_to(first + jnp.arange(count, dtype=jnp.int32), (b, count))
       if level + 1 == len(tree.levels):
         break
-      # Feed this level at slots n + first.., positions n + level, each node seeing the
-      # committed history and its own strict ancestors (this row's tree).
-      own = jnp.arange(nodes)[None, :] == (first + jnp.arange(count))[:, None]  # [c, N]
-      strict = anc[:, first + 1:first + 1 + count, 1:] & ~own[None]  # [B, c, N]
-      seen = jnp.take_along_axis(
-          strict, jnp.broadcast_to(jnp.clip(rel, 0, nodes - 1)[:, None, :],
-                                   (b, count, rel.shape[1])), axis=2)
-      sees = (rel < 0)[:, None, :] | ((rel < nodes)[:, None, :] & seen)
+      # Feed this level at slots n + first.., positions n + level.
+      sees = level_sees(anc, first, count, rel)
       positions = jnp.broadcast_to(n[:, None] + level, (b, count))
       frontier, step_kv = model_lib.forward_cached(
           self.graphdef, params, ys, kv.rollback(n + first), positions=positions,
