@@ -91,8 +91,8 @@ def make_drafter(target: Model, draft: Model | None, drafter: str | None, gamma:
     drafter = draft.kind if is_head else "model"
   if drafter is None:
     if tree is not None:
-      raise ValueError("tree= needs a drafter: draft=<a draft model or a Medusa head> or "
-                       "drafter='ngram'")
+      raise ValueError("tree= needs a drafter: draft=<a draft model, an EAGLE or a Medusa "
+                       "head> or drafter='ngram'")
     if gamma is not None:  # unused (draft=None toggles speculation off), but still checked
       checks.int_at_least("gamma (draft length)", gamma, 1)
     return drafters_lib.NoDrafter(vocab_size=target.config.vocab_size)
@@ -109,19 +109,18 @@ def make_drafter(target: Model, draft: Model | None, drafter: str | None, gamma:
       got = f"a {draft.kind} head" if is_head else type(draft).__name__
       raise ValueError(f"drafter={drafter!r} needs draft=<a {drafter} head> (e.g. "
                        f"load_pretrained('stdlib-{drafter}')), got {got}")
-    if isinstance(tree, trees.DynamicTree):
-      raise ValueError(f"a DynamicTree needs drafter='model' (a draft model); the {drafter} "
-                       "head drafts static trees or chains")
-    if tree is not None and drafter != "medusa":
-      raise ValueError(f"tree= needs drafter='model', 'ngram' or 'medusa'; the {drafter} head "
-                       "proposes chains only")
+    if isinstance(tree, trees.DynamicTree) and drafter != "eagle":
+      raise ValueError(f"a DynamicTree needs drafter='model' or 'eagle'; the {drafter} head "
+                       "drafts static trees or chains")
     if draft_sample not in DRAFT_SAMPLE_MODES:
       raise ValueError(f"draft_sample must be one of {DRAFT_SAMPLE_MODES}, "
                        f"got {draft_sample!r}")
     draft.check_target(target)  # ValueError naming what differs
-    if tree is not None:  # head d drafts every node at depth d
+    if tree is not None:
       tree = make_tree(tree, gamma, target.config.max_len)
-      return tree_drafters.TreeMedusaDrafter(draft.config, tree.depth, draft_sample, tree=tree)
+      if drafter == "medusa":  # head d drafts every node at depth d
+        return tree_drafters.TreeMedusaDrafter(draft.config, tree.depth, draft_sample, tree=tree)
+      return tree_drafters.TreeEagleDrafter(draft.config, tree.depth, draft_sample, tree=tree)
     gamma = checks.int_at_least("gamma (draft length)", 4 if gamma is None else gamma, 1)
     return head_drafters.for_head(draft.config, gamma, draft_sample)
   if tree is not None:
@@ -142,7 +141,7 @@ def make_drafter(target: Model, draft: Model | None, drafter: str | None, gamma:
       raise ValueError(f"ngram_max {ngram_max} is longer than the target's context "
                        f"max_len={max_len}")
     if isinstance(tree, trees.DynamicTree):
-      raise ValueError("a DynamicTree needs drafter='model' (a draft model); prompt lookup "
+      raise ValueError("a DynamicTree needs drafter='model' or 'eagle'; prompt lookup "
                        "drafts static trees (tree=(2, 2, 1)) or chains")
     if tree is not None:  # several earlier matches: distinct continuations as a tree
       return tree_drafters.NgramTreeDrafter(vocab_size=target.config.vocab_size, gamma=gamma,

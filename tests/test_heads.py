@@ -326,7 +326,6 @@ def test_generate_takes_a_head_and_refuses_a_wrong_one(target):
   other = tiny_model(vocab=V, d_model=D, n_layers=2, llama=True, seed=7)
   cases = [(dict(drafter="eagle"), "needs draft=<a eagle head>"),
            (dict(draft=medusa, drafter="eagle"), "got a medusa head"),
-           (dict(draft=eagle, tree=(2, 1)), "chains only"),
            (dict(draft=eagle, draft_sample="top"), "draft_sample"),
            (dict(draft=eagle, gamma=0), "gamma"),
            (dict(draft=eagle, drafter="model"), "needs draft=<a draft Model>, got the eagle"),

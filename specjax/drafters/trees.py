@@ -2,7 +2,8 @@
 
 `TreeModelDrafter` (a draft model, depth by depth with a tree mask),
 `DynamicTreeModelDrafter` (the same, the tree's parents chosen each round from the draft's
-confidence: `trees.DynamicTree`), `NgramTreeDrafter`
+confidence: `trees.DynamicTree`), `TreeEagleDrafter` (the EAGLE head, static or
+dynamic trees, each node conditioned on its parent's predicted feature), `NgramTreeDrafter`
 (prompt lookup: distinct continuations of several earlier matches, as a trie cut to the
 tree's shape) and `TreeMedusaDrafter` (Medusa heads: head d drafts every node at depth
 d, in one head pass). Sampled children are drawn without replacement
@@ -19,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.drafters.heads import MedusaDrafter, MedusaState
+from specjax.drafters.heads import EagleDrafter, MedusaDrafter, MedusaState
 from specjax.drafters.model import ModelDrafter
 from specjax.drafters.ngram import NgramDrafter
 from specjax.models import heads as heads_lib
@@ -298,6 +299,98 @@ class DynamicTreeModelDrafter(TreeModelDrafter):
 
   def rollback(self, state, n, features=None, start=None, path=None):
     return state.replace(kv=super().rollback(state.kv, n, features, start, path))
+
+
+@flax.struct.dataclass
+class EagleTreeState:
+  """The EAGLE head's state (`EagleState`: its cache and the pending true features) and
+  the parents of the round's nodes (int32[B, N]; a static tree's, or this round's)."""
+  kv: kv_cache.KVState
+  feats: jax.Array
+  parents: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeEagleDrafter(EagleDrafter):
+  """The EAGLE head drafting a token tree, static (`Tree`) or grown each round
+  (`DynamicTree`, as `DynamicTreeModelDrafter` grows one): a node's children come from
+  the head's step on (its parent's predicted feature, its own token), the chain's step,
+  fed one depth a pass at slots L + node (L: the head's true slots), positions L + depth
+  - 1, with a tree mask, so each node sees the true history and its own ancestors only.
+  Every fed slot is dropped again; `rollback` keeps the target's true features along the
+  accepted path for the next round's first chunk, as the chain keeps them. `gamma` is
+  the tree's depth."""
+
+  tree: Tree | DynamicTree | None = None
+
+  def init(self, batch, size):
+    state = super().init(batch, size)
+    return self._with(state, jnp.full((batch, self.tree.num_nodes), -1, jnp.int32))
+
+  def _with(self, state, parents):
+    return EagleTreeState(kv=state.kv, feats=state.feats, parents=parents)
+
+  def prefill(self, params, state, tokens, n, features):
+    return self._with(super().prefill(params, state, tokens, n, features), state.parents)
+
+  def propose(self, params, state, tokens, n, key, sampling):
+    tree = self.tree
+    dynamic = isinstance(tree, DynamicTree)
+    nodes = tree.num_nodes
+    x, logits, kv = self._first(params, state, tokens, n)  # kv.length = L: true slots
+    base = kv.length
+    b, vocab = logits.shape
+    node_tokens = jnp.zeros((b, nodes), jnp.int32)
+    node_q = jnp.zeros((b, nodes, vocab), jnp.float32)
+    if dynamic:
+      parents = jnp.full((b, nodes), -1, jnp.int32)
+      anc = tree_verify.root_ancestors(b, nodes)
+    else:
+      parents = jnp.broadcast_to(jnp.asarray(tree.parents, jnp.int32), (b, nodes))
+      anc = jnp.broadcast_to(jnp.asarray(tree.ancestors), (b, nodes + 1, nodes + 1))
+    frontier, front_x = logits[:, None], x  # the frontier's logits [B, F, V], features
+    front_score, front_ids = jnp.zeros((b, 1), jnp.float32), jnp.full((b, 1), -1, jnp.int32)
+    frontier_nodes, history = [-1], None if dynamic else _frontier_history(sampling)
+    sampled = _sampled_rows(self.sample_mode, sampling)
+    rel = jnp.arange(kv.size)[None, :] - base[:, None]  # [B, S]: slot - L = node index
+    for level, (first, count) in enumerate(tree.levels):
+      key, sub = jax.random.split(key)
+      if dynamic:
+        ys, col, par, q, front_score = dynamic_level(tree, level, self.sample_mode, sub,
+                                                     frontier, sampling, front_score,
+                                                     front_ids, sampled)
+        node_tokens = node_tokens.at[:, first:first + count].set(ys)
+        node_q = node_q.at[:, first:first + count].set(q)
+        parents = parents.at[:, first:first + count].set(par)
+        anc = tree_verify.add_level(anc, first, par)
+        front_ids = jnp.broadcast_to(first + jnp.arange(count, dtype=jnp.int32), (b, count))
+        parent_x = jnp.take_along_axis(front_x, col[:, :, None], axis=1)
+      else:
+        where = [frontier_nodes.index(tree.parents[i]) for i in range(first, first + count)]
+        ys, frontier_nodes, node_tokens, node_q, history = _level(
+            tree, level, frontier_nodes, self.sample_mode, sub, frontier, sampling, history,
+            node_tokens, node_q)
+        parent_x = front_x[:, np.asarray(where)]
+      if level + 1 == len(tree.levels):
+        break
+      positions = jnp.broadcast_to(base[:, None] + level, (b, count))
+      front_x, frontier, step_kv = heads_lib.eagle_apply(
+          self.config, params, parent_x, ys, kv.rollback(base + first), positions=positions,
+          mask=(jnp.eye(count, dtype=bool), level_sees(anc, first, count, rel)))
+      kv = step_kv.rollback(base)
+    return node_tokens, node_q, EagleTreeState(kv=kv, feats=state.feats, parents=parents)
+
+  def rollback(self, state, n, features, start, path=None):
+    """The target's features [B, N+1, d] along the accepted path, in chain order: the
+    root's (the pending token's), then the path's nodes'."""
+    depth = self.tree.depth
+    if path is None:  # nothing accepted (cost measurements)
+      chain = features[:, :depth + 1]
+    else:
+      idx = jnp.concatenate([jnp.zeros_like(path[:, :1]), 1 + jnp.maximum(path[:, :depth], 0)],
+                            axis=1)
+      chain = jnp.take_along_axis(features, idx[:, :, None], axis=1)
+    return self._with(super().rollback(state, n, chain, start), state.parents)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -137,17 +137,19 @@ class EagleHead(_Readout):
                                 kernel_init=nnx.initializers.normal(0.02))
     self.layer = model_lib.Block(hc.layer_config, rngs)
 
-  def __call__(self, features, next_tokens, positions, cache=None, read_cache=True, at=None):
+  def __call__(self, features, next_tokens, positions, cache=None, read_cache=True, at=None,
+               mask=None):
     """features [B, T, d] (f_t), next_tokens int[B, T] (x_{t+1}), positions int[B, T]
 
     -> (predicted f_{t+1} [B, T, d], logits for x_{t+2} [B, T, V], new (k, v) or None).
     at int[B]: only slot at[b] of each row is read (T becomes 1 in both outputs), and
     only slots up to max(at) are computed where the layer runs fused (`Block.fused`).
+    mask: a token tree's attention (`layers.attend`), with the tree's own positions.
     """
     x = jnp.concatenate([self.feature_norm(features.astype(self.feature_norm.scale.dtype)),
                          self.token_norm(self.embed(next_tokens))], axis=-1)
     live = None if at is None else jnp.max(at) + 1
-    x, cache = self.layer(self.fuse(x), positions, cache, read_cache, live=live)
+    x, cache = self.layer(self.fuse(x), positions, cache, read_cache, mask=mask, live=live)
     if at is not None:  # one row of the LM head, not T
       x = jnp.take_along_axis(x, at[:, None, None], axis=1)
     return x, self.readout(x), cache
@@ -191,21 +193,23 @@ def shared_params(target_params) -> dict:
 
 
 def eagle_apply(hc: HeadConfig, params, features, next_tokens, kv=None, empty=False,
-                at=None):
+                at=None, positions=None, mask=None):
   """Runs the EAGLE head on T slots; with `kv`, at each row's own `kv.length`.
 
   Returns (predicted features [B, T, d], logits float32[B, T, V], kv + T or None).
   Without a cache the slots are positions 0..T-1, attended causally (training).
   at int[B]: the outputs of slot at[b] alone ([B, 1, ...]); slots past it may go
-  uncomputed, their KV unwritten.
+  uncomputed, their KV unwritten. A token tree passes its nodes' `positions` int[B, T]
+  and `mask` (`layers.attend`); the T slots are still written at kv.length.. .
   """
   module = nnx.merge(graphdef_for(hc), params)
   b, t = next_tokens.shape
   start = jnp.zeros((b,), jnp.int32) if kv is None else kv.length
-  positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+  if positions is None:
+    positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
   cache = None if kv is None else (kv.k[0], kv.v[0], kv.length)
   x, logits, new = module(features, next_tokens, positions, cache, read_cache=not empty,
-                          at=at)
+                          at=at, mask=mask)
   if kv is not None:
     kv = kv.replace(k=(new[0],), v=(new[1],), length=kv.length + t)
   return x, logits, kv
