@@ -14,8 +14,14 @@ from specjax.drafters import trees as tree_drafters
 from specjax.processors.sampling import process_logits
 from conftest import LAW_ROWS, target_and_draft, within_law
 from test_block import filtered_law
-from test_heads import (N, P, SIZE, TOKENS, eagle_reference, features_of, random_head,
-                        settings, target)  # noqa: F401 (a fixture)
+from test_heads import (N, P, SIZE, TOKENS, eagle_reference, features_of, head_target,
+                        random_head, settings)
+
+
+@pytest.fixture(scope="module")
+def target():
+  return head_target()
+
 
 TREES = {"static": trees.Tree.from_branching((2, 2, 1)),
          "dynamic": trees.DynamicTree(6, 3, 2, alpha=(0.6, 0.3))}

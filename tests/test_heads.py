@@ -33,6 +33,10 @@ def settings(b, temperature, top_k=0, top_p=1.0):
 
 @pytest.fixture(scope="module")
 def target():
+  return head_target()
+
+
+def head_target():
   model = tiny_model(vocab=V, d_model=D, n_layers=2, llama=True, seed=0, sharpness=3.0)
   # A larger final-norm scale sharpens the target (its entropy ~2.4 nats, not ln 16).
   params = jax.tree_util.tree_map(lambda x: x, model.params)
