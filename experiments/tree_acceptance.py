@@ -2,8 +2,10 @@
 
   python -m experiments.tree_acceptance                     # N = 14, T = 0 and 1
   python -m experiments.tree_acceptance --nodes=8,14,24 --temperature=1.0 --repeats=0
+  python -m experiments.tree_acceptance --drafter=eagle     # the stdlib-eagle head
 
-For each temperature and node budget N, on the shipped pair with the draft model: one
+For each temperature and node budget N, on the shipped pair with the draft model (or the
+EAGLE head, --drafter=eagle): one
 batched call over --batch_prompts held-out prompts (same prompts and seed) per tree
 counts τ, tokens per target call, with its standard error from the committed-per-round
 histogram:
@@ -31,6 +33,8 @@ import specjax
 from experiments import common
 from specjax import trees
 
+_DRAFTER = flags.DEFINE_enum("drafter", "model", ["model", "eagle"],
+                              "The tree's drafter: the draft model or the EAGLE head.")
 _NODES = flags.DEFINE_list("nodes", ["14"], "Node budgets N.")
 _TEMPS = flags.DEFINE_list("temperature", ["0.0", "1.0"], "Temperatures.")
 _DEPTH = flags.DEFINE_integer("depth", 4, "Tree depth (dynamic and optimised).")
@@ -69,7 +73,7 @@ def paired_rounds(target, prompts, kw: dict, trees_by_name: dict, repeats: int) 
 
 def main(argv):
   del argv
-  target, _, kw = common.drafter_pair("stdlib-target", "model", None, None)
+  target, _, kw = common.drafter_pair("stdlib-target", _DRAFTER.value, None, None)
   kw.pop("gamma")
   many = common.heldout_prompts(target.tokenizer, "stdlib", _BATCH.value, _PROMPT_TOKENS.value,
                                 seed=1)
@@ -91,7 +95,7 @@ def main(argv):
       shapes["dynamic_alpha"] = specjax.DynamicTree(nodes, depth, topk, alpha=alpha)
       shapes["dynamic_like"] = specjax.DynamicTree.like(shapes["optimised"], alpha=alpha)
       out = {name: tau(target, many, run_kw, t) for name, t in shapes.items()}
-      row = dict(temperature=temperature, nodes=nodes, alpha_probe=alpha,
+      row = dict(drafter=_DRAFTER.value, temperature=temperature, nodes=nodes, alpha_probe=alpha,
                  optimised_parents=list(shapes["optimised"].parents),
                  dynamic_levels={k: list(t.level_sizes) for k, t in shapes.items()
                                  if k.startswith("dynamic")},
@@ -105,7 +109,7 @@ def main(argv):
             target, few, run_kw, {"dynamic_like": shapes["dynamic_like"],
                                   "optimised": shapes["optimised"]}, _REPEATS.value)
       rows.append(row)
-      line = f"T={temperature} N={nodes}: τ " + ", ".join(
+      line = f"{_DRAFTER.value} T={temperature} N={nodes}: τ " + ", ".join(
           f"{k} {v['mean']:.3f} ± {v['se']:.3f}" for k, v in out.items())
       line += "; " + ", ".join(f"{k} {v:.3f}" for k, v in row["dynamic_over"].items())
       if _REPEATS.value:

@@ -182,7 +182,8 @@ class DynamicTree:
       if (rates.ndim != 1 or not len(rates) or not np.all(np.isfinite(rates))
           or np.any((rates < 0) | (rates > 1))):
         raise ValueError(f"DynamicTree alpha must be acceptance rates in [0, 1] by sibling "
-                         f"rank, got {self.alpha!r}")
+                         f"rank (a rank never tried is nan in the stats: pass 0), got "
+                         f"{self.alpha!r}")
       object.__setattr__(self, "alpha", tuple(float(a) for a in rates))
 
   @classmethod
