@@ -54,8 +54,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.draft_confidence = 0.4  # for gamma_policy 'confidence'
   # Token trees (branching factors, or lists of paths), swept at the other axes' first
   # drafter and γ: e.g. --config.trees='((2,2,1,1),(4,2,1,1))' (one tree: '((2,2,1,1),)').
-  # n-gram or Medusa trees when the first drafter is 'ngram' or 'medusa', model-drafter
-  # trees otherwise.
+  # n-gram, Medusa or EAGLE trees when the first drafter is 'ngram', 'medusa' or 'eagle',
+  # model-drafter trees otherwise. A dynamic tree is ('dynamic', nodes, depth, topk) or
+  # ('dynamic', nodes, depth, topk, (alpha by sibling rank...)) (model or EAGLE only).
   c.trees = ()
   c.ngram_min = 1
   c.ngram_max = 4

@@ -33,6 +33,7 @@ from specjax import compile_guard
 from specjax import ledger
 from specjax import policies
 from specjax import rng
+from specjax import trees as trees_lib
 from specjax.models import heads as heads_lib
 from specjax.models.pretrained import load_pretrained, read_config
 from specjax.prepare import prepare
@@ -99,9 +100,16 @@ def validate(cfg) -> None:
          "with the comma")
   for tree in cfg.trees:
     try:
-      arguments.make_tree(tree, None)
+      made = arguments.make_tree(tree, None)
     except ValueError as e:
       fail("trees", str(e))
+    if isinstance(made, trees_lib.DynamicTree):
+      if _tree_drafter(cfg) not in ("model", "eagle"):
+        fail("trees", f"a dynamic tree needs the draft model or the EAGLE head first in "
+             f"drafter, got {cfg.drafter[0]!r}")
+      if any(off not in cfg[k] for k, off in PROCESSOR_FIELDS.items()):
+        fail("trees", "a dynamic tree runs without processors only: keep each processor "
+             "axis's off value (repetition_penalty 1.0, ...) in the grid")
   if ("model" in cfg.drafter or _tree_drafter(cfg) == "model") and not cfg.draft:
     fail("draft", "drafter 'model' needs a draft model")
   for d in arguments.HEAD_DRAFTERS:
@@ -325,18 +333,7 @@ def run_sweep(cfg, workdir: str | Path, progress: bool = True, models=None,
   results_path = workdir / "results.jsonl"
   rows = read_rows(results_path, repair=True)
   done = {point_key(r) for r in rows}
-  fields = GRID_FIELDS + tuple(PROCESSOR_FIELDS)
-  grid = [dict(zip(fields, values)) for values in itertools.product(
-      *(tuple(_as_float(f, v) for v in cfg[f]) for f in fields))]
-  # Token trees: points whose γ is the tree's depth, at every processor setting (each node
-  # is processed with its own root-to-node history); n-gram or Medusa trees when the first
-  # drafter is 'ngram' or 'medusa', model-drafter trees otherwise.
-  base = [p for p in grid if p["drafter"] == cfg.drafter[0] and p["gamma"] == cfg.gamma[0]
-          and p["gamma_policy"] == "fixed" and p["verify_rule"] == "exact"]
-  for tree in cfg.trees:  # each tree over the chain points only (not the previous trees')
-    depth = arguments.make_tree(tree, None).depth
-    as_json = [list(x) if isinstance(x, (list, tuple)) else x for x in tree]
-    grid += [dict(p, drafter=_tree_drafter(cfg), gamma=depth, tree=as_json) for p in base]
+  grid = grid_points(cfg)
   # Heads are small: load them first (a bad name fails before the models load).
   for d in arguments.HEAD_DRAFTERS:
     if d in cfg.drafter:
@@ -519,12 +516,31 @@ def make_row(point, timing, sc, machine, calls=None) -> dict:
   )
 
 
+def grid_points(cfg) -> list[dict]:
+  """Every point of the sweep's grid: the product of its axes, then the trees'."""
+  fields = GRID_FIELDS + tuple(PROCESSOR_FIELDS)
+  grid = [dict(zip(fields, values)) for values in itertools.product(
+      *(tuple(_as_float(f, v) for v in cfg[f]) for f in fields))]
+  # Token trees: points whose γ is the tree's depth, at every processor setting (each node
+  # is processed with its own root-to-node history; a dynamic tree, whose parents are
+  # data, only at the processor-free ones); n-gram, Medusa or EAGLE trees when the first
+  # drafter is 'ngram', 'medusa' or 'eagle', model-drafter trees otherwise.
+  base = [p for p in grid if p["drafter"] == cfg.drafter[0] and p["gamma"] == cfg.gamma[0]
+          and p["gamma_policy"] == "fixed" and p["verify_rule"] == "exact"]
+  plain = [p for p in base if all(p[k] == off for k, off in PROCESSOR_FIELDS.items())]
+  for tree in cfg.trees:  # each tree over the chain points only (not the previous trees')
+    made = arguments.make_tree(tree, None)
+    grid += [dict(p, drafter=_tree_drafter(cfg), gamma=made.depth, tree=_tree_json(tree))
+             for p in (plain if isinstance(made, trees_lib.DynamicTree) else base)]
+  return grid
+
+
 def _tree_drafter(cfg):
-  """Which drafter the `trees` axis uses: the first drafter if it is 'ngram' or 'medusa',
-  else 'model' (None without trees)."""
+  """Which drafter the `trees` axis uses: the first drafter if it is 'ngram', 'medusa' or
+  'eagle', else 'model' (None without trees)."""
   if not cfg.trees:
     return None
-  return cfg.drafter[0] if cfg.drafter[0] in ("ngram", "medusa") else "model"
+  return cfg.drafter[0] if cfg.drafter[0] in ("ngram", "medusa", "eagle") else "model"
 
 
 def _as_tree(tree):
@@ -532,6 +548,11 @@ def _as_tree(tree):
   if not tree:
     return None
   return tuple(tuple(x) if isinstance(x, list) else x for x in tree)
+
+
+def _tree_json(tree):
+  """A config's tree as its JSON row value (lists)."""
+  return [list(x) if isinstance(x, (list, tuple)) else x for x in tree]
 
 
 def config_error(argv: list[str], error: Exception) -> str:

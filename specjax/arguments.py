@@ -62,6 +62,14 @@ def make_tree(tree, gamma, max_len: int | None = None):
   max_len: the target's context, which the tree's nodes must fit in."""
   if isinstance(tree, (trees.Tree, trees.DynamicTree)):
     out = tree
+  elif isinstance(tree, (tuple, list)) and tree and isinstance(tree[0], str):
+    # ('dynamic', nodes, depth, topk[, alpha]): a DynamicTree in a config or JSON row
+    args = tuple(tree[1:])
+    if tree[0] != "dynamic" or not 3 <= len(args) <= 4:
+      raise ValueError(f"a dynamic tree in a config is ('dynamic', nodes, depth, topk) or "
+                       f"('dynamic', nodes, depth, topk, alpha by sibling rank), got {tree!r}")
+    alpha = tuple(args[3]) if len(args) == 4 else None
+    out = trees.DynamicTree(*args[:3], alpha=alpha)
   elif isinstance(tree, (tuple, list)) and tree and all(checks.is_int(k) for k in tree):
     out = trees.Tree.from_branching(tree)
   elif isinstance(tree, (tuple, list)) and tree and all(isinstance(p, (tuple, list))
@@ -69,7 +77,8 @@ def make_tree(tree, gamma, max_len: int | None = None):
     out = trees.Tree.from_paths(tree)
   else:
     raise ValueError(f"tree must be branching factors like (2, 2, 1), a list of paths "
-                     f"like [(0,), (1,), (0, 0)] or a specjax.DynamicTree, got {tree!r}")
+                     f"like [(0,), (1,), (0, 0)], a specjax.DynamicTree or ('dynamic', nodes, "
+                     f"depth, topk), got {tree!r}")
   if gamma is not None and gamma != out.depth:
     raise ValueError(f"tree has depth {out.depth} but gamma={gamma}: leave gamma unset "
                      "with a tree (the depth is the draft length)")

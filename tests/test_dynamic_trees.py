@@ -210,8 +210,9 @@ class GreedyTest(parameterized.TestCase):
     target = tiny_model(vocab=16, n_layers=2, seed=3, sharpness=1.5)
     draft = tiny_model(vocab=16, d_model=16, seed=8, sharpness=1.5)
     prompts = [[1, 2, 3, 1, 2, 4, 1, 2], [4, 5, 6, 7, 0, 1, 2, 3, 4], [7]]
-    res = specjax.generate(target, prompts, max_new_tokens=12, draft=draft,
-                           tree=specjax.DynamicTree(*shape), draft_sample=mode)
+    tree = specjax.DynamicTree(*shape) if mode == "probabilistic" else ("dynamic", *shape)
+    res = specjax.generate(target, prompts, max_new_tokens=12, draft=draft, tree=tree,
+                           draft_sample=mode)  # ('dynamic', ...): the configs' spelling
     for prompt, out in zip(prompts, res.tokens):
       self.assertEqual(out, greedy_oracle(target, prompt, 12))
     self.assertGreater(res.stats["accepted"], 0)

@@ -129,6 +129,8 @@ def test_rerun_skips_done_points(smoke):
     ("eagle_head", "stdlib-medusa", r"config.eagle_head: 'stdlib-medusa' is a medusa head"),
     # '((2,2,1,1))' on the command line is one flat tuple, not a tuple of one tree.
     ("trees", (2, 2, 1, 1), r"config.trees: is a tuple of trees.*'\(\(2,2,1,1\),\)'"),
+    ("trees", (("dynamic", 6, 3),), r"config.trees: a dynamic tree in a config is"),
+    ("trees", (("dynamic", 6, 3, 2, (1.5,)),), r"config.trees: DynamicTree alpha must be"),
 ])
 def test_bad_config_fails_at_once(tmp_path, field, value, message):
   cfg = sweep_config.get_config("smoke")
@@ -137,6 +139,37 @@ def test_bad_config_fails_at_once(tmp_path, field, value, message):
     run_lib.run_sweep(cfg, tmp_path)
   assert not (tmp_path / "results.jsonl").exists()
   assert not (tmp_path / "config.json").exists()  # a rerun's config is kept
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(drafter=("ngram", "model")), "needs the draft model or the EAGLE head first"),
+    (dict(repetition_penalty=(1.2,)), "runs without processors only"),
+])
+def test_a_dynamic_tree_the_sweep_cannot_run_fails_at_once(tmp_path, changes, message):
+  cfg = sweep_config.get_config("smoke")
+  cfg.trees = (("dynamic", 6, 3, 2),)
+  for field, value in changes.items():
+    cfg[field] = value
+  with pytest.raises(ValueError, match=message):
+    run_lib.run_sweep(cfg, tmp_path)
+  assert not (tmp_path / "config.json").exists()
+
+
+def test_a_dynamic_tree_is_swept_at_the_processor_free_points_only():
+  cfg = sweep_config.get_config("smoke")
+  cfg.drafter, cfg.repetition_penalty = ("eagle", "model"), (1.0, 1.2)
+  cfg.trees = ((2, 1), ("dynamic", 6, 3, 2, (0.6, 0.3)))
+  grid = run_lib.grid_points(cfg)
+  static = [p for p in grid if p.get("tree") == [2, 1]]
+  dynamic = [p for p in grid if p.get("tree") == ["dynamic", 6, 3, 2, [0.6, 0.3]]]
+  assert {p["repetition_penalty"] for p in static} == {1.0, 1.2}
+  assert {p["repetition_penalty"] for p in dynamic} == {1.0} and dynamic
+  assert {p["drafter"] for p in static + dynamic} == {"eagle"}
+  assert all(p["gamma"] == 3 for p in dynamic)
+  assert run_lib._as_tree(dynamic[0]["tree"]) == ("dynamic", 6, 3, 2, (0.6, 0.3))
+  from specjax import arguments, trees
+  assert arguments.make_tree(run_lib._as_tree(dynamic[0]["tree"]), None) == trees.DynamicTree(
+      6, 3, 2, alpha=(0.6, 0.3))
 
 
 @pytest.mark.parametrize("changes,message", [
