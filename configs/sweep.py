@@ -56,7 +56,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # drafter and γ: e.g. --config.trees='((2,2,1,1),(4,2,1,1))' (one tree: '((2,2,1,1),)').
   # n-gram, Medusa or EAGLE trees when the first drafter is 'ngram', 'medusa' or 'eagle',
   # model-drafter trees otherwise. A dynamic tree is ('dynamic', nodes, depth, topk) or
-  # ('dynamic', nodes, depth, topk, (alpha by sibling rank...)) (model or EAGLE only).
+  # ('dynamic', nodes, depth, topk, (alpha by sibling rank...)) (model or EAGLE first).
   c.trees = ()
   c.ngram_min = 1
   c.ngram_max = 4

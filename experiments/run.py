@@ -107,9 +107,6 @@ def validate(cfg) -> None:
       if _tree_drafter(cfg) not in ("model", "eagle"):
         fail("trees", f"a dynamic tree needs the draft model or the EAGLE head first in "
              f"drafter, got {cfg.drafter[0]!r}")
-      if any(off not in cfg[k] for k, off in PROCESSOR_FIELDS.items()):
-        fail("trees", "a dynamic tree runs without processors only: keep each processor "
-             "axis's off value (repetition_penalty 1.0, ...) in the grid")
   if ("model" in cfg.drafter or _tree_drafter(cfg) == "model") and not cfg.draft:
     fail("draft", "drafter 'model' needs a draft model")
   for d in arguments.HEAD_DRAFTERS:
@@ -457,10 +454,14 @@ def make_row(point, timing, sc, machine, calls=None) -> dict:
   hist = stats.get("length_hist") if not tree else None
   steps = (stats["draft_steps"] / stats["target_calls"] if stats.get("target_calls")
            else gamma)  # draft steps a round ran (the n-gram drafter: γ, matched or not)
-  if tree:
-    parents = arguments.make_tree(tree, None).parents
+  made = arguments.make_tree(tree, None) if tree else None
+  if isinstance(made, trees_lib.DynamicTree):
+    # No fixed shape to price: the measured tokens per round stand in for E.
+    expected, verify = float(stats["tokens_per_target_call"]), sc["v"]
+  elif tree:
     # α̂ by sibling rank: a later sibling is tried against what p has left.
-    expected = ledger.tree_expected_tokens(parents, stats.get("alpha_by_sibling") or alpha)
+    expected = ledger.tree_expected_tokens(made.parents,
+                                           stats.get("alpha_by_sibling") or alpha)
     verify = sc["v"]
   elif hist and sum(hist):
     # A batch's pass is as wide as its longest draft (pass_hist), every row's cost.
@@ -522,16 +523,14 @@ def grid_points(cfg) -> list[dict]:
   grid = [dict(zip(fields, values)) for values in itertools.product(
       *(tuple(_as_float(f, v) for v in cfg[f]) for f in fields))]
   # Token trees: points whose γ is the tree's depth, at every processor setting (each node
-  # is processed with its own root-to-node history; a dynamic tree, whose parents are
-  # data, only at the processor-free ones); n-gram, Medusa or EAGLE trees when the first
-  # drafter is 'ngram', 'medusa' or 'eagle', model-drafter trees otherwise.
+  # is processed with its own root-to-node history); n-gram, Medusa or EAGLE trees when the
+  # first drafter is 'ngram', 'medusa' or 'eagle', model-drafter trees otherwise.
   base = [p for p in grid if p["drafter"] == cfg.drafter[0] and p["gamma"] == cfg.gamma[0]
           and p["gamma_policy"] == "fixed" and p["verify_rule"] == "exact"]
-  plain = [p for p in base if all(p[k] == off for k, off in PROCESSOR_FIELDS.items())]
   for tree in cfg.trees:  # each tree over the chain points only (not the previous trees')
-    made = arguments.make_tree(tree, None)
-    grid += [dict(p, drafter=_tree_drafter(cfg), gamma=made.depth, tree=_tree_json(tree))
-             for p in (plain if isinstance(made, trees_lib.DynamicTree) else base)]
+    depth = arguments.make_tree(tree, None).depth
+    grid += [dict(p, drafter=_tree_drafter(cfg), gamma=depth, tree=_tree_json(tree))
+             for p in base]
   return grid
 
 

@@ -221,10 +221,6 @@ def _on_one_device(target: Model, prompts, given: params_lib.Params) -> Prepared
     if spec.verify_rule != "exact":
       raise ValueError(f"a DynamicTree is verified by the exact node walk only, got "
                        f"verify_rule={spec.verify_rule!r}")
-    if pcfg.adjusts:
-      raise ValueError("a DynamicTree takes no logit processors yet (penalties, "
-                       "no_repeat_ngram_size, min_new_tokens, logit_bias, constraint): use a "
-                       "static tree=(2, 2, 1, 1) with them")
   if tree is None and spec.verify_rule == "traversal":
     raise ValueError("verify_rule='traversal' verifies a token tree: pass tree=...; on a "
                      "chain it is block verification, verify_rule='block'")

@@ -203,6 +203,27 @@ class EngineLawTest(parameterized.TestCase):
     self.assertEqual(sum(res.stats["sibling_accepted"]), res.stats["accepted"])
 
 
+class PenaltiesTest(parameterized.TestCase):
+
+  @parameterized.parameters("model", "eagle")
+  def test_law_with_penalties_and_bans(self, drafter):
+    """Each node's q and p are processed with its own root-to-node history in its row's
+    tree (`dynamic_tree_histories`): the law of 3-token continuations holds."""
+    from test_heads import random_head
+    from test_processors import EOS, PENALTIES, PROMPT, TEMPERATURE, exact_law, law_check
+    target, draft = target_and_draft()
+    if drafter == "eagle":
+      draft = random_head(target, "eagle")
+    law = exact_law(target, PROMPT, 3, TEMPERATURE, dict(PENALTIES, no_repeat_ngram_size=2))
+    res = specjax.generate(target, [PROMPT] * LAW_ROWS, max_new_tokens=3,
+                           temperature=TEMPERATURE, seed=5, eos_id=EOS, draft=draft,
+                           tree=specjax.DynamicTree(5, 2, 3, alpha=(0.6, 0.3)),
+                           no_repeat_ngram_size=2, **PENALTIES)
+    ok, worst = law_check(law, res.tokens, 3)
+    self.assertTrue(ok, f"worst z={worst}")
+    self.assertGreater(res.stats["rounds"], LAW_ROWS)
+
+
 class GreedyTest(parameterized.TestCase):
 
   @parameterized.parameters(((8, 3, 3), "greedy"), ((14, 4, 4), "probabilistic"))
@@ -227,7 +248,6 @@ class BadInputTest(parameterized.TestCase):
     for kw, msg in [(dict(drafter="ngram"), "needs drafter='model'"),
                     (dict(draft=random_head(target, "medusa")), "needs drafter='model'"),
                     (dict(draft=draft, verify_rule="traversal"), "exact node walk only"),
-                    (dict(draft=draft, repetition_penalty=1.2), "no logit processors"),
                     (dict(draft=draft, gamma=3), "depth 2 but gamma=3")]:
       with self.assertRaisesRegex(ValueError, msg):
         specjax.generate(target, [[1, 2]], max_new_tokens=2, tree=tree, **kw)

@@ -143,7 +143,6 @@ def test_bad_config_fails_at_once(tmp_path, field, value, message):
 
 @pytest.mark.parametrize("changes,message", [
     (dict(drafter=("ngram", "model")), "needs the draft model or the EAGLE head first"),
-    (dict(repetition_penalty=(1.2,)), "runs without processors only"),
 ])
 def test_a_dynamic_tree_the_sweep_cannot_run_fails_at_once(tmp_path, changes, message):
   cfg = sweep_config.get_config("smoke")
@@ -155,7 +154,18 @@ def test_a_dynamic_tree_the_sweep_cannot_run_fails_at_once(tmp_path, changes, me
   assert not (tmp_path / "config.json").exists()
 
 
-def test_a_dynamic_tree_is_swept_at_the_processor_free_points_only():
+def test_a_sweep_runs_a_dynamic_eagle_tree(tmp_path):
+  """Its row's E is the measured tokens per round (no fixed shape to price)."""
+  cfg = sweep_config.get_config("smoke")
+  cfg.drafter, cfg.trees = ("eagle",), (("dynamic", 6, 3, 2),)
+  rows = run_lib.run_sweep(cfg, tmp_path, progress=False)
+  (row,) = [r for r in rows if r.get("tree")]
+  assert row["drafter"] == "eagle" and row["gamma"] == 3 and row["lossless"]
+  assert row["expected_tokens"] == row["tokens_per_target_call"] > 1.0
+  assert (tmp_path / "summary.md").exists()
+
+
+def test_a_dynamic_tree_is_swept_as_the_static_trees_are():
   cfg = sweep_config.get_config("smoke")
   cfg.drafter, cfg.repetition_penalty = ("eagle", "model"), (1.0, 1.2)
   cfg.trees = ((2, 1), ("dynamic", 6, 3, 2, (0.6, 0.3)))
@@ -163,7 +173,7 @@ def test_a_dynamic_tree_is_swept_at_the_processor_free_points_only():
   static = [p for p in grid if p.get("tree") == [2, 1]]
   dynamic = [p for p in grid if p.get("tree") == ["dynamic", 6, 3, 2, [0.6, 0.3]]]
   assert {p["repetition_penalty"] for p in static} == {1.0, 1.2}
-  assert {p["repetition_penalty"] for p in dynamic} == {1.0} and dynamic
+  assert {p["repetition_penalty"] for p in dynamic} == {1.0, 1.2}
   assert {p["drafter"] for p in static + dynamic} == {"eagle"}
   assert all(p["gamma"] == 3 for p in dynamic)
   assert run_lib._as_tree(dynamic[0]["tree"]) == ("dynamic", 6, 3, 2, (0.6, 0.3))

@@ -214,22 +214,26 @@ def _sampled_rows(sample_mode, sampling):
 
 
 def dynamic_level(tree, level, sample_mode, key, frontier, sampling, front_score, front_ids,
-                  sampled):
+                  sampled, history=None):
   """One depth of a dynamic tree from its frontier's logits [B, F, V]: the level's tokens
   [B, c], each node's parent column in the frontier [B, c] and parent node (-1: root), the
-  q each was drawn from [B, c, V], and the kept nodes' path scores [B, c]."""
+  q each was drawn from [B, c, V], the kept nodes' path scores [B, c], and their processor
+  histories (history: the frontier's [B, F, ...], or None)."""
   count = tree.levels[level][1]
   b, f = frontier.shape[:2]
   k = min(tree.topk, count)
-  cands, q = draw_children(sample_mode, key, frontier, sampling, k, None)
+  cands, q = draw_children(sample_mode, key, frontier, sampling, k, history)
   score = (front_score[:, :, None] + rank_scores(frontier, cands, q, sampled, tree.alpha)
            ).reshape(b, f * k)
   idx = best_candidates(score, count)  # [B, count]
   col = idx // k
   ys = jnp.take_along_axis(cands.reshape(b, f * k), idx, axis=1)
   par = jnp.take_along_axis(front_ids, col, axis=1)
+  if history is not None and level + 1 < len(tree.levels):
+    history = processors.advance_each(sampling.pcfg, sampling.procs,
+                                      processors.at(history, col), ys)
   return (ys, col, par, jnp.take_along_axis(q, col[:, :, None], axis=1),
-          jnp.take_along_axis(score, idx, axis=1))
+          jnp.take_along_axis(score, idx, axis=1), history)
 
 
 def level_sees(anc, first, count, rel):
@@ -277,10 +281,12 @@ class DynamicTreeModelDrafter(TreeModelDrafter):
     front_ids = jnp.full((b, 1), -1, jnp.int32)
     rel = jnp.arange(kv.size)[None, :] - n[:, None]  # [B, S]: slot - n = node index
     sampled = _sampled_rows(self.sample_mode, sampling)
+    history = _frontier_history(sampling)
     for level, (first, count) in enumerate(tree.levels):
       key, sub = jax.random.split(key)
-      ys, _, par, q, front_score = dynamic_level(tree, level, self.sample_mode, sub, frontier,
-                                                 sampling, front_score, front_ids, sampled)
+      ys, _, par, q, front_score, history = dynamic_level(
+          tree, level, self.sample_mode, sub, frontier, sampling, front_score, front_ids,
+          sampled, history)
       node_tokens = node_tokens.at[:, first:first + count].set(ys)
       node_q = node_q.at[:, first:first + count].set(q)
       parents = parents.at[:, first:first + count].set(par)
@@ -350,15 +356,15 @@ class TreeEagleDrafter(EagleDrafter):
       anc = jnp.broadcast_to(jnp.asarray(tree.ancestors), (b, nodes + 1, nodes + 1))
     frontier, front_x = logits[:, None], x  # the frontier's logits [B, F, V], features
     front_score, front_ids = jnp.zeros((b, 1), jnp.float32), jnp.full((b, 1), -1, jnp.int32)
-    frontier_nodes, history = [-1], None if dynamic else _frontier_history(sampling)
+    frontier_nodes, history = [-1], _frontier_history(sampling)
     sampled = _sampled_rows(self.sample_mode, sampling)
     rel = jnp.arange(kv.size)[None, :] - base[:, None]  # [B, S]: slot - L = node index
     for level, (first, count) in enumerate(tree.levels):
       key, sub = jax.random.split(key)
       if dynamic:
-        ys, col, par, q, front_score = dynamic_level(tree, level, self.sample_mode, sub,
-                                                     frontier, sampling, front_score,
-                                                     front_ids, sampled)
+        ys, col, par, q, front_score, history = dynamic_level(
+            tree, level, self.sample_mode, sub, frontier, sampling, front_score, front_ids,
+            sampled, history)
         node_tokens = node_tokens.at[:, first:first + count].set(ys)
         node_q = node_q.at[:, first:first + count].set(q)
         parents = parents.at[:, first:first + count].set(par)

@@ -183,6 +183,18 @@ def tree_histories(cfg, settings, h: History, tokens, parents) -> History:
   return out
 
 
+def dynamic_tree_histories(cfg, settings, h: History, tokens, levels, parents) -> History:
+  """`tree_histories` of one tree per row: `levels` ((first, count) per depth, static)
+  and parents int32[B, N] (-1 = the root), each depth one `advance_each` of its nodes'
+  parents' histories, picked per row."""
+  out = jax.tree_util.tree_map(lambda x: x[:, None], h)
+  for first, count in levels:
+    above = at(out, parents[:, first:first + count] + 1)
+    level = advance_each(cfg, settings, above, tokens[:, first:first + count])
+    out = jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a, b], axis=1), out, level)
+  return out
+
+
 def fsm_after(settings: ProcessorSettings, fsm, token):
   """The automaton's state after `token` (any shape, like `fsm`); DEAD stays DEAD."""
   return jnp.where(fsm == DEAD, DEAD, settings.fsm_next[jnp.maximum(fsm, 0), token])

@@ -135,9 +135,10 @@ class DynamicTreeLayout(TreeLayout):
                                       tree_verify.ancestors_of(self.tree, self.parents))
 
   def prefixes(self, sampling, history, ys):
-    if history is not None:  # prepare refuses them: the histories follow static parents
-      raise ValueError("a dynamic tree takes no history-dependent processors")
-    return None
+    if history is None:
+      return None
+    return processors.dynamic_tree_histories(sampling.pcfg, sampling.procs, history, ys,
+                                             self.tree.levels, self.parents)
 
   def children(self):
     return tree_verify.children_of(self.tree, self.parents)
