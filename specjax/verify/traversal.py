@@ -84,8 +84,12 @@ def walk(key, node_tokens, node_q, ps, tree: Tree, deterministic: bool, unroll=N
   has_children = jnp.asarray(tree.children[:, 0] >= 0)
   width, vocab = tree.children.shape[1], ps.shape[-1]
   keys = jax.random.split(key, tree.num_nodes + 1)
-  # Row u's draft q (what its children were drawn from), minus the children tried.
+  # Drawn before the loop (the same numbers as drawing in it).
+  uniforms = jax.vmap(jax.random.uniform)(keys[:-1])
+  # Row u's draft q (what its children were drawn from).
   left0 = jnp.where(has_children[:, None], node_q[first], 0.0)
+  kids = jnp.asarray(np.maximum(tree.children, 0))  # [N+1, K]
+  is_kid = jnp.asarray(tree.children >= 0)
 
   def child_q(left_u, x):
     """The distribution child x was drawn from, and whether it was a draw at all."""
@@ -96,35 +100,42 @@ def walk(key, node_tokens, node_q, ps, tree: Tree, deterministic: bool, unroll=N
     return jnp.where(mass > 0, left_u / jnp.where(mass > 0, mass, 1.0), onehot)
 
   def step(e, c):
-    w, dist, left, final, tried, taken, chance = c
+    # Row u's q minus its children tried so far is rebuilt from `gone` (bool[N]): a
+    # carried [N+1, V] copy of it, updated in place, made XLA:CPU copy the whole carry
+    # every step (the walk took 4-30x the node walk's time). dist[u] is read once, as
+    # the row its own update depends on.
+    w, dist, gone, final, tried, taken, chance = c
     node, enter = events[e, 0], events[e, 1] == 1
     row, u = node + 1, parents[node]
     x = node_tokens[node]
-    qc = child_q(left[u], x)
+    out = is_kid[u] & gone[kids[u]]
+    left_u = left0[u].at[node_tokens[kids[u]]].multiply(jnp.where(out, 0.0, 1.0))
+    qc = child_q(left_u, x)
+    dist_u = dist[u]
     live = final < 0
     # enter: the child's weight from its parent's current weight and distribution.
-    w_in = jnp.minimum(1.0, w[u] * dist[u, x] / jnp.maximum(qc[x], 1e-30))
+    w_in = jnp.minimum(1.0, w[u] * dist_u[x] / jnp.maximum(qc[x], 1e-30))
     # test: accepted with probability w[row]; else the parent is updated.
     testing = live & ~enter
-    accept = jax.random.uniform(keys[node]) < w[row]
+    accept = uniforms[node] < w[row]
     rejected = testing & ~accept
-    r = jnp.maximum(w[u] * dist[u] - qc, 0.0)
+    r = jnp.maximum(w[u] * dist_u - qc, 0.0)
     total = jnp.sum(r)
     w_out = total / jnp.maximum(total + 1.0 - w[u], 1e-30)
     if update_parent:
       dist = dist.at[u].set(jnp.where(rejected & (total > 0), r / jnp.maximum(total, 1e-30),
-                                      dist[u]))
+                                      dist_u))
       w = w.at[u].set(jnp.where(rejected, jnp.where(u == 0, 1.0, w_out), w[u]))
-    left = left.at[u, x].set(jnp.where(rejected, 0.0, left[u, x]))
+    gone = gone.at[node].set(gone[node] | rejected)
     w = w.at[row].set(jnp.where(live & enter, w_in, w[row]))
     rank = ranks[node]
     tried = tried.at[rank].add(testing.astype(jnp.int32))
     chance = chance.at[rank].add(jnp.where(testing, w[row], 0.0))
     final = jnp.where(testing & accept, row, final)
-    return w, dist, left, final, tried, taken, chance
+    return w, dist, gone, final, tried, taken, chance
 
   n_rows = tree.num_nodes + 1
-  init = (jnp.ones((n_rows,), ps.dtype), ps, left0, jnp.int32(-1),
+  init = (jnp.ones((n_rows,), ps.dtype), ps, jnp.zeros((tree.num_nodes,), bool), jnp.int32(-1),
           jnp.zeros((width,), jnp.int32), jnp.zeros((width,), jnp.int32),
           jnp.zeros((width,), jnp.float32))
   w, dist, _, final, tried, taken, chance = jax.lax.fori_loop(
