@@ -376,7 +376,7 @@ def test_unknown_variant():
 
 @pytest.mark.parametrize("drafters,want", [(("model", "ngram"), "model"), (("ngram",), "ngram"),
                                            (("medusa", "model"), "medusa"),
-                                           (("eagle",), "model")])
+                                           (("eagle",), "eagle"), (("ngram", "model"), "ngram")])
 def test_tree_axis_follows_the_first_drafter(drafters, want):
   cfg = sweep_config.get_config("smoke")
   cfg.drafter = drafters
