@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 
@@ -222,6 +223,36 @@ def quartiles(values) -> dict:
   """Median and quartiles (linear interpolation) of a list of ratios."""
   return {"median": statistics.median(values), "q1": float(np.percentile(values, 25)),
           "q3": float(np.percentile(values, 75))}
+
+
+def spread(q: dict) -> str:
+  """'median [q1, q3]' of `quartiles`."""
+  return f"{q['median']:.3f} [{q['q1']:.3f}, {q['q3']:.3f}]"
+
+
+def write_rows(path, rows: list[dict]) -> None:
+  """rows as a JSON-lines file."""
+  with open(path, "w") as f:
+    for row in rows:
+      f.write(json.dumps(row) + "\n")
+
+
+def paired_rounds(target, prompts, sides: dict[str, dict], repeats: int):
+  """Each side's `generate` keywords, one prompt a call, the sides alternating (their
+  order flipped from call to call). Returns (each side's stats per prompt, from an
+  untimed call that also compiles it; its seconds per round of each timed call)."""
+  call = lambda kw, i: specjax.generate(target, [prompts[i]], seed=i, **kw)
+  stats = {name: [call(kw, i).stats for i in range(len(prompts))]
+           for name, kw in sides.items()}
+  names = list(sides)
+  secs = {name: [] for name in names}
+  for r in range(repeats):
+    for i in range(len(prompts)):
+      for name in (names if (r + i) % 2 == 0 else names[::-1]):
+        start = time.perf_counter()
+        call(sides[name], i)  # generate returns host lists: the call has finished
+        secs[name].append((time.perf_counter() - start) / stats[name][i]["rounds"])
+  return stats, secs
 
 
 def compare_calls(target, prompts, base: dict, variants: dict[str, dict],

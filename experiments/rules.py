@@ -18,8 +18,6 @@ call to call, for the quartiles of the per-call ratio block / exact of the round
 
 from __future__ import annotations
 
-import json
-import time
 
 from absl import app
 from absl import flags
@@ -45,18 +43,10 @@ def compare(target, prompts, kw: dict, repeats: int, rules: tuple[str, str]) -> 
   """Paired calls of (baseline, method): tokens per target call and round time, with
   quartiles of the per-call ratio method / baseline."""
   base, method = rules
-  call = lambda rule, i: specjax.generate(target, [prompts[i]], seed=i, verify_rule=rule,
-                                          **kw)
-  stats = {rule: [call(rule, i).stats for i in range(len(prompts))] for rule in rules}
+  stats, round_s = common.paired_rounds(
+      target, prompts, {rule: dict(kw, verify_rule=rule) for rule in rules}, repeats)
   per_call = {rule: [s["committed"] / s["target_calls"] for s in stats[rule]]
               for rule in rules}
-  round_s = {rule: [] for rule in rules}
-  for r in range(repeats):
-    for i in range(len(prompts)):
-      for rule in (rules if (r + i) % 2 == 0 else rules[::-1]):
-        start = time.perf_counter()
-        call(rule, i)  # generate returns host lists: the call has finished
-        round_s[rule].append((time.perf_counter() - start) / stats[rule][i]["rounds"])
   pooled = {rule: sum(s["committed"] for s in stats[rule])
             / sum(s["target_calls"] for s in stats[rule]) for rule in rules}
   return dict(
@@ -116,15 +106,12 @@ def main(argv):
                    f" {method} {b[method]['mean']:.3f} ± {b[method]['se']:.3f}, gain "
                    f"{out['batched_gain']:+.3f} ± {out['batched_gain_se']:.3f};")
         if _REPEATS.value:
-          q, r = out["calls_ratio"], out["round_ratio"]
-          line += (f" paired calls: tokens/call {method}/{base} {q['median']:.3f} "
-                   f"[{q['q1']:.3f}, {q['q3']:.3f}], round time {method}/{base} "
-                   f"{r['median']:.3f} [{r['q1']:.3f}, {r['q3']:.3f}]")
+          line += (f" paired calls: tokens/call {method}/{base} "
+                   f"{common.spread(out['calls_ratio'])}, round time {method}/{base} "
+                   f"{common.spread(out['round_ratio'])}")
         print(line, flush=True)
   if _OUT.value:
-    with open(_OUT.value, "w") as f:
-      for row in rows:
-        f.write(json.dumps(row) + "\n")
+    common.write_rows(_OUT.value, rows)
 
 
 if __name__ == "__main__":

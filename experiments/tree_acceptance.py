@@ -23,8 +23,6 @@ per-call ratio of the round's time (call time / rounds). Printed, and JSON lines
 
 from __future__ import annotations
 
-import json
-import time
 
 from absl import app
 from absl import flags
@@ -55,20 +53,11 @@ def tau(target, prompts, kw: dict, tree) -> dict:
               lossless=stats["lossless"])
 
 
-def paired_rounds(target, prompts, kw: dict, trees_by_name: dict, repeats: int) -> dict:
+def round_ratio(target, prompts, kw: dict, first, second, repeats: int) -> dict:
   """Quartiles of the per-call round-time ratio first / second tree, alternating."""
-  (a, ta), (b, tb) = trees_by_name.items()
-  call = lambda tree, i: specjax.generate(target, [prompts[i]], seed=i, tree=tree, **kw)
-  rounds = {name: [call(t, i).stats["rounds"] for i in range(len(prompts))]
-            for name, t in trees_by_name.items()}  # compiles both, too
-  secs = {a: [], b: []}
-  for r in range(repeats):
-    for i in range(len(prompts)):
-      for name in ((a, b) if (r + i) % 2 == 0 else (b, a)):
-        start = time.perf_counter()
-        call(trees_by_name[name], i)  # host lists: the call has finished
-        secs[name].append((time.perf_counter() - start) / rounds[name][i])
-  return common.quartiles([x / y for x, y in zip(secs[a], secs[b])])
+  _, secs = common.paired_rounds(target, prompts, {"first": dict(kw, tree=first),
+                                                   "second": dict(kw, tree=second)}, repeats)
+  return common.quartiles([x / y for x, y in zip(secs["first"], secs["second"])])
 
 
 def main(argv):
@@ -105,22 +94,18 @@ def main(argv):
       row["dynamic_over"] = {f"{d}/{k}": round(out[d]["mean"] / out[k]["mean"], 4)
                              for d in out if d.startswith("dynamic") for k in static}
       if _REPEATS.value:
-        row["round_ratio_dynamic_like_over_optimised"] = paired_rounds(
-            target, few, run_kw, {"dynamic_like": shapes["dynamic_like"],
-                                  "optimised": shapes["optimised"]}, _REPEATS.value)
+        row["round_ratio_dynamic_like_over_optimised"] = round_ratio(
+            target, few, run_kw, shapes["dynamic_like"], shapes["optimised"], _REPEATS.value)
       rows.append(row)
       line = f"{_DRAFTER.value} T={temperature} N={nodes}: τ " + ", ".join(
           f"{k} {v['mean']:.3f} ± {v['se']:.3f}" for k, v in out.items())
       line += "; " + ", ".join(f"{k} {v:.3f}" for k, v in row["dynamic_over"].items())
       if _REPEATS.value:
-        q = row["round_ratio_dynamic_like_over_optimised"]
-        line += (f"; round time dynamic_like/optimised {q['median']:.3f} [{q['q1']:.3f}, "
-                 f"{q['q3']:.3f}]")
+        line += ("; round time dynamic_like/optimised "
+                 + common.spread(row["round_ratio_dynamic_like_over_optimised"]))
       print(line, flush=True)
   if _OUT.value:
-    with open(_OUT.value, "w") as f:
-      for row in rows:
-        f.write(json.dumps(row) + "\n")
+    common.write_rows(_OUT.value, rows)
 
 
 if __name__ == "__main__":

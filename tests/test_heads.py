@@ -402,27 +402,33 @@ def test_medusa_tree_equals_target_greedy(target):
     specjax.generate(target, prompts, max_new_tokens=4, draft=head, tree=(1,) * (GAMMA + 2))
 
 
-def test_medusa_tree_keeps_the_feature_of_the_last_accepted_node(target):
-  """After real tree rounds the head holds f_{n-2} of the committed text, as a head
-  prefilled from scratch on it would (the last accepted node's feature, or the root's)."""
+def tree_rounds(target, head, tree, rounds=4):
+  """Real tree rounds of two rows at T = 1: yields (state, n, the target's features of
+  the committed tokens) after each; at the end, asserts some row accepted no node in a
+  round and some accepted nodes."""
   from specjax import decode as decode_lib
   from specjax import generation
-  head = random_head(target, "medusa")
   prompts = [TOKENS[0, :7].tolist(), TOKENS[1, :5].tolist()]
   args = generation.prepare(target, prompts, max_new_tokens=16, temperature=1.0, top_k=0,
-                            top_p=1.0, eos_id=None, draft=head, tree=(3, 2, 1))
+                            top_p=1.0, eos_id=None, draft=head, tree=tree)
   step = jax.jit(lambda s: decode_lib.decode_round(args.engine, args.weights, s, args.sampling))
   state = args.prefill(jax.random.PRNGKey(3))
   seen = set()
-  for _ in range(4):
+  for _ in range(rounds):
     before = np.asarray(state.n)
     state = step(state)
-    n, tokens = np.asarray(state.n), np.asarray(state.tokens)
+    n = np.asarray(state.n)
     seen |= set((n - before - 1).tolist())  # nodes accepted per row this round
-    fresh = features_of(target, tokens)
+    yield state, n, features_of(target, np.asarray(state.tokens))
+  assert 0 in seen and len(seen) > 1  # rounds with none and with some nodes accepted
+
+
+def test_medusa_tree_keeps_the_feature_of_the_last_accepted_node(target):
+  """After real tree rounds the head holds f_{n-2} of the committed text, as a head
+  prefilled from scratch on it would (the last accepted node's feature, or the root's)."""
+  for state, n, fresh in tree_rounds(target, random_head(target, "medusa"), (3, 2, 1)):
     for b in range(2):
       np.testing.assert_allclose(state.draft_state.feature[b], fresh[b, n[b] - 2], atol=1e-4)
-  assert 0 in seen and len(seen) > 1  # rounds with none and with some nodes accepted
 
 
 def test_medusa_tree_three_token_law():

@@ -115,7 +115,7 @@ class TreeModelDrafter(ModelDrafter):
     frontier, frontier_nodes = logits[:, None], [-1]  # draft logits at the frontier
     history = _frontier_history(sampling)  # the frontier's processor histories, [B, F, ...]
     rel = jnp.arange(kv.size)[None, :] - n[:, None]  # [B, S]: slot - n = node index
-    strict = tree.ancestors[1:, 1:] & ~np.eye(tree.num_nodes, dtype=bool)
+    anc = jnp.broadcast_to(jnp.asarray(tree.ancestors), (b,) + tree.ancestors.shape)
     for level in range(len(tree.levels)):
       key, sub = jax.random.split(key)
       ys, nodes, node_tokens, node_q, history = _level(
@@ -123,12 +123,9 @@ class TreeModelDrafter(ModelDrafter):
           node_tokens, node_q)
       if level + 1 == len(tree.levels):
         break
-      # Feed this level: node i at slot n + i, position n - 1 + depth; it sees the
-      # committed history and its own ancestors, never a sibling branch.
+      # Feed this level: node i at slot n + i, position n - 1 + depth.
       first, count = tree.levels[level]
-      anc = jnp.asarray(strict[nodes])[:, jnp.clip(rel, 0, tree.num_nodes - 1)]  # [c, B, S]
-      sees = (rel < 0)[:, None, :] | ((rel < tree.num_nodes)[:, None, :]
-                                      & jnp.moveaxis(anc, 0, 1))
+      sees = level_sees(anc, first, count, rel)
       positions = jnp.broadcast_to(n[:, None] + level, (b, count))
       frontier, step_kv = model_lib.forward_cached(
           self.graphdef, params, ys, kv.rollback(n + first), positions=positions,
@@ -213,27 +210,55 @@ def _sampled_rows(sample_mode, sampling):
   return sampling.temperature > 0
 
 
-def dynamic_level(tree, level, sample_mode, key, frontier, sampling, front_score, front_ids,
-                  sampled, history=None):
-  """One depth of a dynamic tree from its frontier's logits [B, F, V]: the level's tokens
-  [B, c], each node's parent column in the frontier [B, c] and parent node (-1: root), the
-  q each was drawn from [B, c, V], the kept nodes' path scores [B, c], and their processor
-  histories (history: the frontier's [B, F, ...], or None)."""
-  count = tree.levels[level][1]
+@flax.struct.dataclass
+class Growth:
+  """A dynamic tree as it grows: the node tokens [B, N], the q each was drawn from
+  [B, N, V], the parents [B, N] (-1 = the root) and ancestors [B, N+1, N+1]
+  (`verify.tree`), and the frontier's path scores and node ids [B, F] (-1: the root)."""
+  tokens: jax.Array
+  q: jax.Array
+  parents: jax.Array
+  anc: jax.Array
+  score: jax.Array
+  ids: jax.Array
+
+  @classmethod
+  def start(cls, batch: int, nodes: int, vocab: int) -> "Growth":
+    return cls(tokens=jnp.zeros((batch, nodes), jnp.int32),
+               q=jnp.zeros((batch, nodes, vocab), jnp.float32),
+               parents=jnp.full((batch, nodes), -1, jnp.int32),
+               anc=tree_verify.root_ancestors(batch, nodes),
+               score=jnp.zeros((batch, 1), jnp.float32), ids=jnp.full((batch, 1), -1, jnp.int32))
+
+
+def grow_level(tree, level, growth: Growth, sample_mode, key, frontier, sampling, sampled,
+               history=None):
+  """One depth of a dynamic tree from its frontier's logits [B, F, V]: draws the
+  frontier's children, keeps the level's best (frontier node, rank) pairs and records
+  them. Returns (growth, the level's tokens [B, c], each one's parent column in the
+  frontier [B, c], their processor histories (history: the frontier's, or None))."""
+  first, count = tree.levels[level]
   b, f = frontier.shape[:2]
   k = min(tree.topk, count)
   cands, q = draw_children(sample_mode, key, frontier, sampling, k, history)
-  score = (front_score[:, :, None] + rank_scores(frontier, cands, q, sampled, tree.alpha)
+  score = (growth.score[:, :, None] + rank_scores(frontier, cands, q, sampled, tree.alpha)
            ).reshape(b, f * k)
   idx = best_candidates(score, count)  # [B, count]
   col = idx // k
   ys = jnp.take_along_axis(cands.reshape(b, f * k), idx, axis=1)
-  par = jnp.take_along_axis(front_ids, col, axis=1)
+  par = jnp.take_along_axis(growth.ids, col, axis=1)
   if history is not None and level + 1 < len(tree.levels):
     history = processors.advance_each(sampling.pcfg, sampling.procs,
                                       processors.at(history, col), ys)
-  return (ys, col, par, jnp.take_along_axis(q, col[:, :, None], axis=1),
-          jnp.take_along_axis(score, idx, axis=1), history)
+  level_nodes = slice(first, first + count)
+  growth = Growth(
+      tokens=growth.tokens.at[:, level_nodes].set(ys),
+      q=growth.q.at[:, level_nodes].set(jnp.take_along_axis(q, col[:, :, None], axis=1)),
+      parents=growth.parents.at[:, level_nodes].set(par),
+      anc=tree_verify.add_level(growth.anc, first, par),
+      score=jnp.take_along_axis(score, idx, axis=1),
+      ids=jnp.broadcast_to(first + jnp.arange(count, dtype=jnp.int32), (b, count)))
+  return growth, ys, col, history
 
 
 def level_sees(anc, first, count, rel):
@@ -270,38 +295,27 @@ class DynamicTreeModelDrafter(TreeModelDrafter):
 
   def propose(self, params, state, tokens, n, key, sampling):
     tree = self.tree
-    nodes = tree.num_nodes
     logits, kv = self._catch_up(params, state.kv, tokens, n)
-    b, vocab = tokens.shape[0], logits.shape[-1]
-    node_tokens = jnp.zeros((b, nodes), jnp.int32)
-    node_q = jnp.zeros((b, nodes, vocab), jnp.float32)
-    parents = jnp.full((b, nodes), -1, jnp.int32)
-    anc = tree_verify.root_ancestors(b, nodes)
-    frontier, front_score = logits[:, None], jnp.zeros((b, 1), jnp.float32)
-    front_ids = jnp.full((b, 1), -1, jnp.int32)
+    b = tokens.shape[0]
+    growth = Growth.start(b, tree.num_nodes, logits.shape[-1])
+    frontier = logits[:, None]
     rel = jnp.arange(kv.size)[None, :] - n[:, None]  # [B, S]: slot - n = node index
     sampled = _sampled_rows(self.sample_mode, sampling)
     history = _frontier_history(sampling)
     for level, (first, count) in enumerate(tree.levels):
       key, sub = jax.random.split(key)
-      ys, _, par, q, front_score, history = dynamic_level(
-          tree, level, self.sample_mode, sub, frontier, sampling, front_score, front_ids,
-          sampled, history)
-      node_tokens = node_tokens.at[:, first:first + count].set(ys)
-      node_q = node_q.at[:, first:first + count].set(q)
-      parents = parents.at[:, first:first + count].set(par)
-      anc = tree_verify.add_level(anc, first, par)
-      front_ids = jnp.broadcast_to(first + jnp.arange(count, dtype=jnp.int32), (b, count))
+      growth, ys, _, history = grow_level(tree, level, growth, self.sample_mode, sub,
+                                          frontier, sampling, sampled, history)
       if level + 1 == len(tree.levels):
         break
       # Feed this level at slots n + first.., positions n + level.
-      sees = level_sees(anc, first, count, rel)
+      sees = level_sees(growth.anc, first, count, rel)
       positions = jnp.broadcast_to(n[:, None] + level, (b, count))
       frontier, step_kv = model_lib.forward_cached(
           self.graphdef, params, ys, kv.rollback(n + first), positions=positions,
           mask=(jnp.eye(count, dtype=bool), sees))
       kv = step_kv.rollback(n)
-    return node_tokens, node_q, DynamicDraftState(kv=kv, parents=parents)
+    return growth.tokens, growth.q, DynamicDraftState(kv=kv, parents=growth.parents)
 
   def rollback(self, state, n, features=None, start=None, path=None):
     return state.replace(kv=super().rollback(state.kv, n, features, start, path))
@@ -346,45 +360,37 @@ class TreeEagleDrafter(EagleDrafter):
     x, logits, kv = self._first(params, state, tokens, n)  # kv.length = L: true slots
     base = kv.length
     b, vocab = logits.shape
-    node_tokens = jnp.zeros((b, nodes), jnp.int32)
-    node_q = jnp.zeros((b, nodes, vocab), jnp.float32)
-    if dynamic:
-      parents = jnp.full((b, nodes), -1, jnp.int32)
-      anc = tree_verify.root_ancestors(b, nodes)
-    else:
-      parents = jnp.broadcast_to(jnp.asarray(tree.parents, jnp.int32), (b, nodes))
-      anc = jnp.broadcast_to(jnp.asarray(tree.ancestors), (b, nodes + 1, nodes + 1))
+    growth = Growth.start(b, nodes, vocab)  # a static tree fills tokens and q only
+    if not dynamic:
+      growth = growth.replace(
+          parents=jnp.broadcast_to(jnp.asarray(tree.parents, jnp.int32), (b, nodes)),
+          anc=jnp.broadcast_to(jnp.asarray(tree.ancestors), (b, nodes + 1, nodes + 1)))
     frontier, front_x = logits[:, None], x  # the frontier's logits [B, F, V], features
-    front_score, front_ids = jnp.zeros((b, 1), jnp.float32), jnp.full((b, 1), -1, jnp.int32)
     frontier_nodes, history = [-1], _frontier_history(sampling)
     sampled = _sampled_rows(self.sample_mode, sampling)
     rel = jnp.arange(kv.size)[None, :] - base[:, None]  # [B, S]: slot - L = node index
     for level, (first, count) in enumerate(tree.levels):
       key, sub = jax.random.split(key)
       if dynamic:
-        ys, col, par, q, front_score, history = dynamic_level(
-            tree, level, self.sample_mode, sub, frontier, sampling, front_score, front_ids,
-            sampled, history)
-        node_tokens = node_tokens.at[:, first:first + count].set(ys)
-        node_q = node_q.at[:, first:first + count].set(q)
-        parents = parents.at[:, first:first + count].set(par)
-        anc = tree_verify.add_level(anc, first, par)
-        front_ids = jnp.broadcast_to(first + jnp.arange(count, dtype=jnp.int32), (b, count))
+        growth, ys, col, history = grow_level(tree, level, growth, self.sample_mode, sub,
+                                              frontier, sampling, sampled, history)
         parent_x = jnp.take_along_axis(front_x, col[:, :, None], axis=1)
       else:
         where = [frontier_nodes.index(tree.parents[i]) for i in range(first, first + count)]
         ys, frontier_nodes, node_tokens, node_q, history = _level(
             tree, level, frontier_nodes, self.sample_mode, sub, frontier, sampling, history,
-            node_tokens, node_q)
+            growth.tokens, growth.q)
+        growth = growth.replace(tokens=node_tokens, q=node_q)
         parent_x = front_x[:, np.asarray(where)]
       if level + 1 == len(tree.levels):
         break
       positions = jnp.broadcast_to(base[:, None] + level, (b, count))
       front_x, frontier, step_kv = heads_lib.eagle_apply(
           self.config, params, parent_x, ys, kv.rollback(base + first), positions=positions,
-          mask=(jnp.eye(count, dtype=bool), level_sees(anc, first, count, rel)))
+          mask=(jnp.eye(count, dtype=bool), level_sees(growth.anc, first, count, rel)))
       kv = step_kv.rollback(base)
-    return node_tokens, node_q, EagleTreeState(kv=kv, feats=state.feats, parents=parents)
+    return growth.tokens, growth.q, EagleTreeState(kv=kv, feats=state.feats,
+                                                   parents=growth.parents)
 
   def rollback(self, state, n, features, start, path=None):
     """The target's features [B, N+1, d] along the accepted path, in chain order: the

@@ -167,20 +167,16 @@ def tree_histories(cfg, settings, h: History, tokens, parents) -> History:
   committed prefix), index i+1 is h advanced along node i's root-to-node path.
 
   `parents` (static, -1 = the root) lists the nodes depth by depth with parents first, so
-  each depth is one `advance_each` of its parents' histories by its own tokens. A chain
+  each depth is one `advance_each` of its parents' histories by its own tokens
+  (`dynamic_tree_histories` with the same parents in every row). A chain
   (parents = (-1, 0, 1, ...)) gives `prefix_histories` (up to `seq` past each length).
   """
   depths = []
   for p in parents:
     depths.append(1 if p < 0 else depths[p] + 1)
-  out = jax.tree_util.tree_map(lambda x: x[:, None], h)
-  for d in range(1, max(depths) + 1):
-    nodes = [i for i, x in enumerate(depths) if x == d]  # consecutive: listed by depth
-    par = np.asarray([parents[i] + 1 for i in nodes])
-    level = advance_each(cfg, settings, jax.tree_util.tree_map(lambda x: x[:, par], out),
-                         tokens[:, nodes[0]:nodes[-1] + 1])
-    out = jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a, b], axis=1), out, level)
-  return out
+  levels = [(depths.index(d), depths.count(d)) for d in range(1, max(depths) + 1)]
+  rows = jnp.broadcast_to(jnp.asarray(parents, jnp.int32), tokens.shape)
+  return dynamic_tree_histories(cfg, settings, h, tokens, levels, rows)
 
 
 def dynamic_tree_histories(cfg, settings, h: History, tokens, levels, parents) -> History:
