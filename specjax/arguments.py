@@ -23,7 +23,7 @@ from specjax.models import sharding
 from specjax.models import tokenizer as tokenizer_lib
 from specjax.models.model import Model
 
-DRAFTERS = ("model", "ngram", "eagle", "medusa")
+DRAFTERS = ("model", "ngram", "eagle", "eagle3", "medusa")
 
 
 MAX_ROWS = 2 ** 20  # prompts x n: far past any batch that fits, short of numpy's overflow
@@ -32,7 +32,7 @@ MAX_ROWS = 2 ** 20  # prompts x n: far past any batch that fits, short of numpy'
 DRAFT_SAMPLE_MODES = ("probabilistic", "greedy")
 
 
-HEAD_DRAFTERS = ("eagle", "medusa")
+HEAD_DRAFTERS = ("eagle", "eagle3", "medusa")
 
 
 def check_prompts(prompts, model: Model) -> list[list[int]]:
@@ -118,8 +118,8 @@ def make_drafter(target: Model, draft: Model | None, drafter: str | None, gamma:
       got = f"a {draft.kind} head" if is_head else type(draft).__name__
       raise ValueError(f"drafter={drafter!r} needs draft=<a {drafter} head> (e.g. "
                        f"load_pretrained('stdlib-{drafter}')), got {got}")
-    if isinstance(tree, trees.DynamicTree) and drafter != "eagle":
-      raise ValueError(f"a DynamicTree needs drafter='model' or 'eagle'; the {drafter} head "
+    if isinstance(tree, trees.DynamicTree) and drafter == "medusa":
+      raise ValueError(f"a DynamicTree needs drafter='model', 'eagle' or 'eagle3'; the {drafter} head "
                        "drafts static trees or chains")
     if draft_sample not in DRAFT_SAMPLE_MODES:
       raise ValueError(f"draft_sample must be one of {DRAFT_SAMPLE_MODES}, "

@@ -124,7 +124,8 @@ def _target_pass(engine: Engine, params, tokens, kv, empty=False, **layout):
   """Cached target forward; also returns hidden states when the drafter reads them."""
   graphdef = model_lib.graphdef_for(engine.target)
   if getattr(engine.drafter, "uses_features", False):
-    return model_lib.forward_cached(graphdef, params, tokens, kv, empty=empty, hidden=True,
+    hidden = getattr(engine.drafter, "feature_layers", None) or True
+    return model_lib.forward_cached(graphdef, params, tokens, kv, empty=empty, hidden=hidden,
                                     **layout)
   logits, kv = model_lib.forward_cached(graphdef, params, tokens, kv, empty=empty, **layout)
   return logits, kv, None

@@ -206,7 +206,7 @@ def propose_timer(drafter, draft_params, batch: int, vocab_size: int, context: i
   heads = getattr(drafter, "uses_features", False)
   state = drafter.init(batch, cache_size)
   if heads:  # random features: the cost does not depend on their values
-    d = drafter.config.target.d_model
+    d = drafter.config.feature_dim
     feats = jax.random.normal(jax.random.PRNGKey(2), (batch, context, d), jnp.float32)
     # Drawn apart: a context shorter than γ + 1 (a short prompt) would cut a slice short.
     verify_feats = jax.random.normal(jax.random.PRNGKey(3), (batch, drafter.gamma + 1, d),

@@ -1,7 +1,8 @@
 """Drafters for the learned heads of `specjax.models.heads`: EAGLE and Medusa.
 
 Both follow the engine's drafter protocol with `uses_features = True`: the round hands
-them the target's last hidden states.
+them the target's last hidden states (an EAGLE-3 head's `feature_layers`: the residual
+streams of those layers, concatenated).
 
   init(batch, size)                            -> state
   prefill(params, state, tokens, n, features)  -> state   features [B, P, d] of tokens[:, :P]
@@ -78,7 +79,7 @@ def _known(features, positions, n):
 
 
 def _check(config: heads_lib.HeadConfig, kind: str, gamma: int, sample_mode: str):
-  if config.kind != kind:
+  if config.kind not in kind.split("/"):
     raise ValueError(f"a {kind} drafter needs a {kind} HeadConfig, got {config.kind!r}")
   if not isinstance(gamma, int) or gamma < 1:
     raise ValueError(f"gamma must be a positive int, got {gamma!r}")
@@ -94,7 +95,10 @@ class EagleState:
 
 @dataclasses.dataclass(frozen=True)
 class EagleDrafter:
-  """EAGLE: slot t reads (f_t, x_{t+1}) and predicts f_{t+1}, hence x_{t+2}.
+  """EAGLE: slot t reads (f_t, x_{t+1}) and predicts f_{t+1}, hence x_{t+2}. The same
+  drafter runs an EAGLE-3 head: its f_t are the target's fused features
+  (`feature_layers`, handed over by the target's passes), which the head's `fc` takes in
+  where they are that wide, and its predicted features are its own hidden states.
 
   Invariant between rounds: the head's cache holds slots 0..L-1 (L = kv.length) built
   from the target's true features, and `feats` holds the true features of positions
@@ -111,11 +115,16 @@ class EagleDrafter:
   uses_features = True
 
   def __post_init__(self):
-    _check(self.config, "eagle", self.gamma, self.sample_mode)
+    _check(self.config, "eagle/eagle3", self.gamma, self.sample_mode)
+
+  @property
+  def feature_layers(self):
+    """The target layers whose features this head reads (None: the last hidden state)."""
+    return self.config.feature_layers
 
   def init(self, batch, size):
     kv = kv_cache.init_kv(self.config.layer_config, batch, size)
-    feats = jnp.zeros((batch, self.gamma + 1, self.config.target.d_model), jnp.float32)
+    feats = jnp.zeros((batch, self.gamma + 1, self.config.feature_dim), jnp.float32)
     return EagleState(kv=kv, feats=feats)
 
   def prefill(self, params, state, tokens, n, features):
@@ -259,6 +268,7 @@ class MedusaDrafter:
 
 
 def for_head(config: heads_lib.HeadConfig, gamma: int, sample_mode: str = "probabilistic"):
-  """The drafter of a head with this config: an EAGLE or a Medusa drafter of γ tokens."""
-  cls = EagleDrafter if config.kind == "eagle" else MedusaDrafter
+  """The drafter of a head with this config: an EAGLE (-1 or -3) or a Medusa drafter of
+  γ tokens."""
+  cls = MedusaDrafter if config.kind == "medusa" else EagleDrafter
   return cls(config, gamma, sample_mode)

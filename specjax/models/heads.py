@@ -10,6 +10,14 @@ last block, before the final norm; `model.forward(..., hidden=True)`):
   own one-layer KV cache) and predicts f_{t+1}; the target's final norm + LM head turn
   that into logits for x_{t+2}. Drafting feeds the predicted feature back in with the
   drafted token.
+- **EAGLE-3** (Li et al., 2025), in the layout its authors publish: slot t fuses the
+  target's residual streams at `feature_layers` (low, middle, high) with an `fc`
+  3d -> d, and ONE decoder layer whose attention reads [norm(embed(x_{t+1})),
+  norm(h_t)] (2d wide) predicts the next hidden state h_{t+1}; its OWN final norm and LM
+  head give logits over a reduced draft vocabulary (`vocab`: the target id of each
+  draft id), scattered into the target's vocabulary with every other token at
+  probability exactly 0. Drafting feeds h back in place of fc(features). No feature
+  regression: it is trained on its own unrolled predictions (`eagle3_unroll`).
 - **Medusa** (Cai et al., 2024): K residual blocks h + SiLU(W h) on f_t, each followed by
   the target's final norm + LM head; head k predicts x_{t+k+1} (k = 1..K), all from the
   same committed feature, with no dependence on the other drafted tokens.
@@ -42,10 +50,11 @@ import numpy as np
 from flax import nnx
 
 from specjax.models import checkpoint as checkpoint_lib
+from specjax.models import layers as layers_lib
 from specjax.models import model as model_lib
 from specjax.models.config import ModelConfig
 
-KINDS = ("eagle", "medusa")
+KINDS = ("eagle", "eagle3", "medusa")
 # The target's own (frozen) parameters a head reads, under the target's names.
 SHARED = ("embed", "final_norm", "lm_head")
 FORMAT = "specjax-head"
@@ -54,13 +63,34 @@ MANIFEST = "head.json"
 PARAMS = "params.npz"
 
 
+# A logit that is -inf in effect (exp underflows to exactly 0 against any real logit)
+# but finite: a constraint that masks every draft token leaves a uniform q over the
+# tokens it allows, not NaN; a repetition penalty that scales it stays finite.
+OFF_VOCAB = -1e30
+
+
+def eagle3_layers(n_layers: int) -> tuple[int, ...]:
+  """EAGLE-3's feature layers for a target of n_layers: (2, L // 2, L - 3), the inputs
+  of those blocks, as its authors' code and vLLM take them; for a target too shallow
+  for three distinct ones, (1, L // 2, L), L being the last block's output."""
+  ids = (2, n_layers // 2, n_layers - 3)
+  if len(set(ids)) == 3 and min(ids) >= 1:
+    return ids
+  return tuple(sorted({1, max(n_layers // 2, 1), n_layers}))
+
+
 @dataclasses.dataclass(frozen=True)
 class HeadConfig:
-  """What a head is: its kind, the target architecture it sits on, Medusa's head count."""
+  """What a head is: its kind, the target architecture it sits on, Medusa's head count;
+  for EAGLE-3, the target layers it fuses, its draft vocabulary size (None: the
+  target's whole vocabulary) and its decoder layer (None: the target's block)."""
 
   kind: str
   target: ModelConfig
   medusa_heads: int = 4
+  feature_layers: tuple[int, ...] | None = None
+  draft_vocab: int | None = None
+  layer: ModelConfig | None = None
 
   def __post_init__(self):
     if self.kind not in KINDS:
@@ -68,11 +98,55 @@ class HeadConfig:
     if (not isinstance(self.medusa_heads, int) or isinstance(self.medusa_heads, bool)
         or self.medusa_heads < 1):
       raise ValueError(f"HeadConfig.medusa_heads must be a positive int, got {self.medusa_heads!r}")
+    if self.kind != "eagle3":
+      for name in ("feature_layers", "draft_vocab", "layer"):
+        if getattr(self, name) is not None:
+          raise ValueError(f"HeadConfig.{name} is an EAGLE-3 field; a {self.kind} head has none")
+      return
+    layers = self.feature_layers
+    if layers is None:
+      object.__setattr__(self, "feature_layers", layers := eagle3_layers(self.target.n_layers))
+    layers = tuple(layers) if isinstance(layers, (list, tuple)) else layers
+    if (not isinstance(layers, tuple) or len(layers) < 2 or len(set(layers)) != len(layers)
+        or not all(isinstance(i, int) and not isinstance(i, bool)
+                   and 0 <= i <= self.target.n_layers for i in layers)):
+      raise ValueError(f"HeadConfig.feature_layers must be 2 or more distinct layer ids in "
+                       f"0..{self.target.n_layers} (the input of that block; "
+                       f"{self.target.n_layers}: the last block's output), got {self.feature_layers!r}")
+    object.__setattr__(self, "feature_layers", layers)
+    v = self.draft_vocab
+    if v is not None and (not isinstance(v, int) or isinstance(v, bool)
+                          or not 1 <= v <= self.target.vocab_size):
+      raise ValueError(f"HeadConfig.draft_vocab must be an int in 1..{self.target.vocab_size} "
+                       f"(the target's vocabulary), got {v!r}")
+    if self.layer is not None:
+      if self.layer.d_model != self.target.d_model:
+        raise ValueError(f"an EAGLE-3 layer's hidden size must be the target's "
+                         f"{self.target.d_model} (it reads the target's embeddings), got "
+                         f"{self.layer.d_model}")
+      if self.layer.n_layers != 1 or self.layer.vocab_size != self.target.vocab_size:
+        raise ValueError("an EAGLE-3 layer config has n_layers 1 and the target's vocab_size")
 
   @property
   def layer_config(self) -> ModelConfig:
     """The EAGLE decoder layer: the target's block architecture, one layer deep."""
-    return dataclasses.replace(self.target, n_layers=1)
+    return self.layer or dataclasses.replace(self.target, n_layers=1)
+
+  @property
+  def feature_dim(self) -> int:
+    """Width of the target features the drafter is handed ([..., feature_dim])."""
+    d = self.target.d_model
+    return d * len(self.feature_layers) if self.kind == "eagle3" else d
+
+  @property
+  def hidden(self):
+    """The target forward's `hidden=` argument that gives these features."""
+    return self.feature_layers if self.kind == "eagle3" else True
+
+  @property
+  def vocab_size(self) -> int:
+    """Tokens the head can draft."""
+    return self.draft_vocab or self.target.vocab_size
 
   def check_target_config(self, got: ModelConfig) -> None:
     """ValueError naming what differs between a target's config and the one trained on.
@@ -91,8 +165,11 @@ class HeadConfig:
                        f"(differs in {', '.join(diff)})")
 
   def to_dict(self) -> dict[str, Any]:
-    return {"kind": self.kind, "medusa_heads": self.medusa_heads,
-            "target": self.target.to_dict()}
+    d = {"kind": self.kind, "medusa_heads": self.medusa_heads, "target": self.target.to_dict()}
+    if self.kind == "eagle3":
+      d |= {"feature_layers": list(self.feature_layers), "draft_vocab": self.draft_vocab,
+            "layer": None if self.layer is None else self.layer.to_dict()}
+    return d
 
   @classmethod
   def from_dict(cls, d: dict[str, Any]) -> "HeadConfig":
@@ -100,11 +177,16 @@ class HeadConfig:
     missing = [k for k in ("kind", "target") if k not in d]
     if missing:
       raise ValueError(f"no HeadConfig field {', '.join(map(repr, missing))}")
-    unknown = sorted(set(d) - {"kind", "target", "medusa_heads"})
+    unknown = sorted(set(d) - {"kind", "target", "medusa_heads", "feature_layers",
+                               "draft_vocab", "layer"})
     if unknown:
       raise ValueError(f"unknown HeadConfig fields: {unknown}")
+    layers = d.get("feature_layers")
     return cls(kind=d["kind"], target=ModelConfig.from_dict(d["target"]),
-               medusa_heads=d.get("medusa_heads", 4))
+               medusa_heads=d.get("medusa_heads", 4),
+               feature_layers=tuple(layers) if isinstance(layers, list) else layers,
+               draft_vocab=d.get("draft_vocab"),
+               layer=None if d.get("layer") is None else ModelConfig.from_dict(d["layer"]))
 
 
 class _Readout(nnx.Module):
@@ -155,6 +237,78 @@ class EagleHead(_Readout):
     return x, self.readout(x), cache
 
 
+class Eagle3Head(nnx.Module):
+  """Parameter names follow the published layout (`fc`, `midlayer`, `norm`, `lm_head`,
+  d2t as `vocab`) where specjax's own pieces allow: the loader renames only q/k/v (one
+  fused `qkv`) and gate/up (one fused `up`), as for a target."""
+
+  def __init__(self, hc: HeadConfig, rngs: nnx.Rngs):
+    cfg, d = hc.layer_config, hc.target.d_model
+    self.tie = False
+    self.embed = model_lib.Embed(hc.target.vocab_size, d, rngs=rngs)  # the target's
+    self.embed.dtype = None
+    self.fc = model_lib._dense(rngs, hc.feature_dim, d, False, 0.02)
+    self.midlayer = Eagle3Layer(cfg, rngs)
+    self.norm = model_lib._norm(cfg, rngs)
+    self.lm_head = model_lib._dense(rngs, d, hc.vocab_size, False, 0.02)
+    self.vocab = nnx.Variable(jnp.arange(hc.vocab_size, dtype=jnp.int32))
+    self.full_vocab = hc.draft_vocab is None
+    self.fused_width = hc.feature_dim
+
+  def inputs(self, features):
+    """fc over the target's fused features; the head's own h (width d) passes as it is."""
+    if features.shape[-1] == self.fused_width:
+      return self.fc(features.astype(self.fc.kernel.dtype))
+    return features
+
+  def readout(self, h):
+    """h [..., d] -> float32 logits over the target's vocabulary [..., V]; tokens outside
+    the draft vocabulary get OFF_VOCAB (probability exactly 0)."""
+    logits = self.lm_head(self.norm(h)).astype(jnp.float32)
+    if self.full_vocab:
+      return logits
+    full = jnp.full(logits.shape[:-1] + (self.embed.num_embeddings,), OFF_VOCAB, jnp.float32)
+    return full.at[..., self.vocab[...]].set(logits)
+
+  def __call__(self, features, next_tokens, positions, cache=None, read_cache=True, at=None,
+               mask=None):
+    """As `EagleHead.__call__`; features are the target's fused ones [B, T, feature_dim]
+    or the head's own predictions [B, T, d]."""
+    h, cache = self.midlayer(self.inputs(features), self.embed(next_tokens), positions, cache,
+                             read_cache, mask)
+    if at is not None:
+      h = jnp.take_along_axis(h, at[:, None, None], axis=1)
+    return h, self.readout(h), cache
+
+
+class Eagle3Layer(nnx.Module):
+  """EAGLE-3's decoder layer: attention over [input_layernorm(e), hidden_norm(h)] (2d
+  wide), added to h; then the usual norm + MLP + residual."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.hidden_norm = model_lib._norm(cfg, rngs)
+    self.input_layernorm = model_lib._norm(cfg, rngs)
+    self.attn = model_lib.Attention(cfg, rngs)
+    h, kvh, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    self.attn.qkv = model_lib._dense(rngs, 2 * cfg.d_model, (h + 2 * kvh) * hd, cfg.qkv_bias,
+                                     0.02)
+    self.post_attention_layernorm = model_lib._norm(cfg, rngs)
+    self.mlp = model_lib.MLP(cfg, rngs)
+
+  def joint(self, h, e):
+    return jnp.concatenate([self.input_layernorm(e), self.hidden_norm(h.astype(e.dtype))],
+                           axis=-1)
+
+  def finish(self, h, attn_out):
+    h = h + attn_out
+    return h + self.mlp(self.post_attention_layernorm(h))
+
+  def __call__(self, h, e, positions, cache=None, read_cache=True, mask=None):
+    attn_out, cache = self.attn(self.joint(h, e), positions, cache, read_cache, mask)
+    return self.finish(h, attn_out), cache
+
+
 class MedusaHead(_Readout):
 
   def __init__(self, hc: HeadConfig, rngs: nnx.Rngs):
@@ -171,7 +325,7 @@ class MedusaHead(_Readout):
     return self.readout(h)
 
 
-_MODULES = {"eagle": EagleHead, "medusa": MedusaHead}
+_MODULES = {"eagle": EagleHead, "eagle3": Eagle3Head, "medusa": MedusaHead}
 
 
 @functools.lru_cache(maxsize=None)
@@ -180,16 +334,28 @@ def graphdef_for(hc: HeadConfig):
   return nnx.split(abstract)[0]
 
 
+def shared_names(kind: str) -> tuple[str, ...]:
+  """The target's parameters a head of this kind reads: EAGLE-3 has its own norm and LM
+  head and reads only the embedding."""
+  return ("embed",) if kind == "eagle3" else SHARED
+
+
 def init_params(hc: HeadConfig, seed: int = 0) -> dict:
   """Fresh parameters of the head's own layers (the shared target pieces left out)."""
   module = _MODULES[hc.kind](hc, nnx.Rngs(seed))
   params = nnx.to_pure_dict(nnx.state(module))
-  return {k: v for k, v in params.items() if k not in SHARED}
+  return {k: v for k, v in params.items() if k not in shared_names(hc.kind)}
 
 
-def shared_params(target_params) -> dict:
-  """The target's embedding, final norm and (untied) LM head: references, not copies."""
-  return {k: target_params[k] for k in SHARED if k in target_params}
+def shared_params(target_params, kind: str = "eagle") -> dict:
+  """The target's embedding, final norm and (untied) LM head (only the embedding for
+  EAGLE-3): references, not copies."""
+  return {k: target_params[k] for k in shared_names(kind) if k in target_params}
+
+
+def trainable(params) -> dict:
+  """The head's params that train: all but EAGLE-3's vocabulary map (integers)."""
+  return {k: v for k, v in params.items() if k != "vocab"}
 
 
 def eagle_apply(hc: HeadConfig, params, features, next_tokens, kv=None, empty=False,
@@ -213,6 +379,52 @@ def eagle_apply(hc: HeadConfig, params, features, next_tokens, kv=None, empty=Fa
   if kv is not None:
     kv = kv.replace(k=(new[0],), v=(new[1],), length=kv.length + t)
   return x, logits, kv
+
+
+def eagle3_unroll(hc: HeadConfig, params, features, tokens, steps: int):
+  """Training-time test: the head run `steps` times over whole windows, each step on its
+  own predictions, attending as drafting does.
+
+  features [B, T, feature_dim] (the target's, positions 0..T-1), tokens int[B, T + steps]
+  (x_0..). Step k = 0..steps-1 at slot t reads (h^{k-1}_t, x_{t+k+1}) at position t + k
+  (h^{-1} = fc(features)) and predicts x_{t+k+2}; its query sees step 0's keys at slots
+  <= t (true features) and steps 1..k's keys at its own slot t: the cache a draft of k
+  steps from anchor t holds. Returns logits float32[steps, B, T, V].
+  """
+  module = nnx.merge(graphdef_for(hc), params)
+  layer, cfg = module.midlayer, hc.layer_config
+  b, t = features.shape[:2]
+  nh, kvh, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+  attn = layer.attn
+  freqs = layers_lib.rope_frequencies(cfg)
+  causal = jnp.tril(jnp.ones((t, t), bool))
+  h = module.inputs(features)
+  keys, values, out = [], [], []
+  for k in range(steps):
+    e = module.embed(tokens[:, k + 1: k + 1 + t])
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) + k, (b, t))
+    q, key, v = layers_lib.split_fused(attn.qkv(layer.joint(h, e)), cfg.qkv_groups,
+                                       (nh // cfg.qkv_groups * hd, kvh // cfg.qkv_groups * hd,
+                                        kvh // cfg.qkv_groups * hd))
+    q, key, v = q.reshape(b, t, nh, hd), key.reshape(b, t, kvh, hd), v.reshape(b, t, kvh, hd)
+    if cfg.qk_norm:
+      q, key = attn.q_norm(q), attn.k_norm(key)
+    if cfg.position == "rope":
+      q, key = layers_lib.rope(q, pos, freqs), layers_lib.rope(key, pos, freqs)
+    keys.append(jnp.repeat(key, nh // kvh, axis=2).astype(jnp.float32))
+    values.append(jnp.repeat(v, nh // kvh, axis=2).astype(jnp.float32))
+    q = q.astype(jnp.float32) / jnp.sqrt(jnp.float32(hd))
+    s0 = jnp.einsum("bthd,bshd->bhts", q, keys[0])
+    s0 = jnp.where(causal, s0, -jnp.inf)
+    diag = [jnp.einsum("bthd,bthd->bht", q, kj)[..., None] for kj in keys[1:]]
+    w = jax.nn.softmax(jnp.concatenate([s0] + diag, axis=-1), axis=-1)
+    o = jnp.einsum("bhts,bshd->bthd", w[..., :t], values[0])
+    for j, vj in enumerate(values[1:]):
+      o = o + w[..., t + j].transpose(0, 2, 1)[..., None] * vj
+    attn_out = attn.out(o.reshape(b, t, nh * hd).astype(h.dtype))
+    h = layer.finish(h, attn_out)
+    out.append(module.readout(h))
+  return jnp.stack(out)
 
 
 def medusa_apply(hc: HeadConfig, params, features):
@@ -300,7 +512,7 @@ class Head:
     """The drafter's params: the head's own + the target's frozen embedding/norm/head."""
     if check:
       self.check_target(target)
-    return {**self.params, **shared_params(target.params)}
+    return {**self.params, **shared_params(target.params, self.kind)}
 
   def __repr__(self):
     return (f"Head({self.kind}, d_model={self.config.target.d_model}, "

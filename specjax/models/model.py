@@ -209,6 +209,9 @@ class Transformer(nnx.Module):
 
     hidden=True adds a third output: the residual stream after the last block, before
     the final norm, [B, T, d_model] (the features that EAGLE / Medusa heads read).
+    hidden=(i, j, ...) (layer ids in 0..n_layers) adds instead the residual streams
+    entering those blocks, n_layers being the last block's output, concatenated
+    [B, T, len * d_model] (EAGLE-3's fused features).
     live (a traced int): only each row's first `live` tokens need be computed; where the
     layers run fused (`Block.fused`) the rest are not, and their outputs are zeros.
     """
@@ -221,13 +224,17 @@ class Transformer(nnx.Module):
     # XLA's final norm too.
     fused = kv is not None and self.blocks[0].fused(
         backends.current(), (kv.k[0], kv.v[0], kv.length), mask, tokens.shape[1])
+    taps = {}
     for i, block in enumerate(self.blocks):
+      taps[i] = x
       cache = None if kv is None else (kv.k[i], kv.v[i], kv.length)
       x, new_cache = block(x, positions, cache, read_cache, mask, live)
       if new_cache is not None:
         ks.append(new_cache[0])
         vs.append(new_cache[1])
-    features = x
+    taps[len(self.blocks)] = x
+    features = (jnp.concatenate([taps[i] for i in hidden], axis=-1)
+                if isinstance(hidden, tuple) else x)
     logits = head_logits(x, self.embed, self.final_norm, getattr(self, "lm_head", None),
                          fused, live)
     out = logits, (tuple(ks), tuple(vs))
