@@ -52,7 +52,8 @@ def _load_dir(path: Path, dtype, mesh=None):
   return checkpoint_lib.load_model(path, dtype, mesh)
 
 
-def load_pretrained(name_or_path: str | os.PathLike, dtype=jnp.float32, mesh=None):
+def load_pretrained(name_or_path: str | os.PathLike, dtype=jnp.float32, mesh=None,
+                    target=None):
   """A `Model` with `.tokenizer` set, from a shipped name, a directory or a hub id.
 
   dtype: the parameters' floating dtype, which the forward and the KV cache run in
@@ -61,13 +62,33 @@ def load_pretrained(name_or_path: str | os.PathLike, dtype=jnp.float32, mesh=Non
   ever holds the whole model.
 
   A draft-head directory (e.g. 'stdlib-eagle', 'stdlib-medusa') gives a
-  `specjax.models.heads.Head` instead.
+  `specjax.models.heads.Head` instead. So does a published EAGLE-3 head (the EAGLE
+  authors' layout, `specjax.hf.heads`), which needs `target=` (the loaded `Model` it
+  drafts for): its files name no target, and every shape is checked against it.
   """
   where = locate(name_or_path)
+  if isinstance(where, Path) and _is_eagle3(where):
+    from specjax.hf import heads as hf_heads
+    if target is None:
+      raise ValueError(f"{where} is a published EAGLE-3 head: pass target=<the loaded target "
+                       "Model> to load_pretrained, so its shapes can be checked against it")
+    if mesh is not None:
+      raise ValueError(f"{where} is a draft head; mesh= places models (load the head without it)")
+    return hf_heads.load_eagle3(where, target, dtype)
+  if target is not None:
+    raise ValueError("target= is for published draft heads (an EAGLE-3 directory); "
+                     f"{name_or_path} is not one")
   if not isinstance(where, Path) or _is_hf(where):
     from specjax import hf
     return hf.load_hf_model(os.fspath(where), dtype=dtype, mesh=mesh)
   return _load_dir(where, dtype, mesh)
+
+
+def _is_eagle3(path: Path) -> bool:
+  if not (path / "config.json").is_file() or (path / checkpoint_lib.MANIFEST).exists():
+    return False
+  from specjax.hf import heads as hf_heads
+  return hf_heads.is_eagle3_dir(path)
 
 
 def _is_hf(path: Path) -> bool:
@@ -117,6 +138,9 @@ def read_config(name_or_path: str | os.PathLike):
   where = locate(name_or_path)
   if not isinstance(where, Path):
     return None
+  if _is_eagle3(where):
+    raise ValueError(f"{where} is a published EAGLE-3 head; its config depends on the target "
+                     "(load it with load_pretrained(path, target=...))")
   if _is_hf(where):
     from specjax.hf import config as hf_config, files
     return hf_config.config_from_hf(files.read_config(where / "config.json"))

@@ -1,0 +1,196 @@
+"""Published EAGLE-3 heads: a directory in the EAGLE authors' layout, as a specjax `Head`.
+
+The layout (EAGLE's `eagle3` release, as vLLM's `llama_eagle3.py` and SGLang read it):
+config.json with `architectures` naming an Eagle3 model (e.g. `LlamaForCausalLMEagle3`),
+`hidden_size`, `intermediate_size`, heads, `rms_norm_eps`, `rope_theta`,
+`vocab_size` (the target's) and `draft_vocab_size`, optionally
+`eagle_config.eagle_aux_hidden_state_layer_ids`; weights in model.safetensors or
+pytorch_model.bin:
+
+  fc.weight                         [d, 3 d]   the fused features' projection
+  midlayer.self_attn.{q,k,v}_proj   [*, 2 d]   attention over [norm(embeds), norm(h)]
+  midlayer.self_attn.o_proj, midlayer.mlp.{gate,up,down}_proj
+  midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight
+  norm.weight, lm_head.weight       [draft_vocab, d]
+  d2t                               int[draft_vocab]: target id = draft id + d2t[id]
+  t2d                               bool[vocab] (optional; checked against d2t)
+  embed_tokens.weight               (optional; must be the target's own embedding)
+
+`midlayer.` may also be spelled `layers.0.`, and everything but lm_head may carry a
+`model.` prefix (trainers' variants). The feature layers default to vLLM's (2, L // 2,
+L - 3) of an L-layer target; they are the inputs of those blocks, concatenated in layer
+order. Every check that needs no weights runs before any is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.hf import config as hf_config
+from specjax.hf.files import CheckpointTensors, read_config
+from specjax.models import heads as heads_lib
+from specjax.models.model import float_dtype
+
+
+def is_eagle3_config(config: dict) -> bool:
+  archs = config.get("architectures") or []
+  return (any("eagle3" in str(a).lower() for a in archs)
+          or ("draft_vocab_size" in config and config.get("num_hidden_layers") == 1))
+
+
+def is_eagle3_dir(path: Path) -> bool:
+  try:
+    return is_eagle3_config(read_config(Path(path) / "config.json"))
+  except ValueError:
+    return False
+
+
+def _need(ok: bool, where: str, field: str, message: str):
+  if not ok:
+    raise ValueError(f"{where}: {field} {message}")
+
+
+def head_config(config: dict, target, where: str = "EAGLE-3 head") -> heads_lib.HeadConfig:
+  """The HeadConfig of a published EAGLE-3 config.json on `target` (a specjax Model);
+  ValueError naming the field that does not fit the target."""
+  tc = target.config
+  _need(tc.norm == "rmsnorm" and tc.position == "rope" and tc.mlp == "swiglu", where,
+        "target", f"must be a Llama-family model (RMSNorm, RoPE, SwiGLU); got norm={tc.norm}, "
+        f"position={tc.position}, mlp={tc.mlp}")
+  for field, want in (("hidden_size", tc.d_model), ("vocab_size", tc.vocab_size)):
+    _need(config.get(field) == want, where, field,
+          f"is {config.get(field)!r}; the target's is {want}")
+  if "target_hidden_size" in config:
+    _need(config["target_hidden_size"] == tc.d_model, where, "target_hidden_size",
+          f"is {config['target_hidden_size']!r}; the target's hidden size is {tc.d_model}")
+  _need(config.get("num_hidden_layers") == 1, where, "num_hidden_layers",
+        f"is {config.get('num_hidden_layers')!r}; an EAGLE-3 head has one decoder layer")
+  _need(not config.get("norm_before_residual", False), where, "norm_before_residual",
+        "is true; specjax's EAGLE-3 layer adds the un-normalised hidden state")
+  eagle = config.get("eagle_config") or {}
+  _need(isinstance(eagle, dict), where, "eagle_config", "must be an object")
+  _need(eagle.get("use_aux_hidden_state", True), where, "eagle_config.use_aux_hidden_state",
+        "is false (an EAGLE-1 style head on the last hidden state); not an EAGLE-3 head")
+  ids = eagle.get("eagle_aux_hidden_state_layer_ids",
+                  config.get("eagle_aux_hidden_state_layer_ids"))
+  n = tc.n_layers
+  if ids is None:
+    ids = (2, n // 2, n - 3)
+  _need(isinstance(ids, (list, tuple)) and len(set(ids)) == len(ids) >= 2
+        and all(isinstance(i, int) and 0 <= i < n for i in ids), where,
+        "eagle_aux_hidden_state_layer_ids",
+        f"must be distinct layer ids of the {n}-layer target (0..{n - 1}); got {ids!r}")
+  draft_vocab = config.get("draft_vocab_size", tc.vocab_size)
+  _need(isinstance(draft_vocab, int) and 1 <= draft_vocab <= tc.vocab_size, where,
+        "draft_vocab_size", f"must be an int in 1..{tc.vocab_size}; got {draft_vocab!r}")
+  family = config.get("model_type", "llama")
+  _need(family in ("llama", "qwen3"), where, "model_type",
+        f"is {family!r}; specjax loads Llama- and Qwen3-style EAGLE-3 layers")
+  layer = hf_config._llama_config({
+      **config, "model_type": family, "vocab_size": tc.vocab_size, "num_hidden_layers": 1,
+      "max_position_embeddings": tc.max_len, "tie_word_embeddings": False})
+  layer = dataclasses.replace(layer, max_len=tc.max_len)
+  return heads_lib.HeadConfig("eagle3", tc, feature_layers=tuple(sorted(ids)),
+                              draft_vocab=draft_vocab, layer=layer)
+
+
+def _plan(hc: heads_lib.HeadConfig, names) -> dict:
+  """specjax path -> (layout, [(tensor name, shape)]), with the checkpoint's spelling."""
+  cfg, d = hc.layer_config, hc.target.d_model
+  hd = cfg.head_dim
+  q, kv, f = cfg.n_heads * hd, cfg.n_kv_heads * hd, cfg.d_ff
+  names = set(names)
+  model = "model." if any(n.startswith("model.") for n in names) else ""
+  mid = model + ("layers.0." if any(n.startswith(model + "layers.0.") for n in names)
+                 else "midlayer.")
+  plan = {
+      ("fc", "kernel"): ("transpose", [(model + "fc.weight", (d, hc.feature_dim))]),
+      ("midlayer", "attn", "qkv", "kernel"): ("concat_transpose", [
+          (mid + "self_attn.q_proj.weight", (q, 2 * d)),
+          (mid + "self_attn.k_proj.weight", (kv, 2 * d)),
+          (mid + "self_attn.v_proj.weight", (kv, 2 * d))]),
+      ("midlayer", "attn", "out", "kernel"): ("transpose", [(mid + "self_attn.o_proj.weight",
+                                                             (d, q))]),
+      ("midlayer", "mlp", "up", "kernel"): ("concat_transpose", [
+          (mid + "mlp.gate_proj.weight", (f, d)), (mid + "mlp.up_proj.weight", (f, d))]),
+      ("midlayer", "mlp", "down", "kernel"): ("transpose", [(mid + "mlp.down_proj.weight",
+                                                             (d, f))]),
+      ("norm", "scale"): ("copy", [(model + "norm.weight", (d,))]),
+      ("lm_head", "kernel"): ("transpose", [("lm_head.weight", (hc.vocab_size, d))]),
+  }
+  for ours in ("hidden_norm", "input_layernorm", "post_attention_layernorm"):
+    plan[("midlayer", ours, "scale")] = ("copy", [(mid + ours + ".weight", (d,))])
+  if cfg.qkv_bias:
+    plan[("midlayer", "attn", "qkv", "bias")] = ("concat", [
+        (mid + f"self_attn.{p}_proj.bias", (s,)) for p, s in (("q", q), ("k", kv), ("v", kv))])
+  if cfg.out_bias:
+    plan[("midlayer", "attn", "out", "bias")] = ("copy", [(mid + "self_attn.o_proj.bias", (d,))])
+  if cfg.qk_norm:
+    plan[("midlayer", "attn", "q_norm", "scale")] = ("copy", [(mid + "self_attn.q_norm.weight",
+                                                               (hd,))])
+    plan[("midlayer", "attn", "k_norm", "scale")] = ("copy", [(mid + "self_attn.k_norm.weight",
+                                                               (hd,))])
+  return plan, model
+
+
+def load_eagle3(path: str | os.PathLike, target, dtype=jnp.float32) -> heads_lib.Head:
+  """A published EAGLE-3 head directory as a `Head` drafting for `target`."""
+  path = Path(path)
+  where = f"EAGLE-3 head {path}"
+  hc = head_config(read_config(path / "config.json"), target, where)
+  tensors = CheckpointTensors(path)
+  plan, model = _plan(hc, tensors.names())
+  optional = {"d2t", "t2d", model + "embed_tokens.weight", "embed_tokens.weight"}
+  expected = {name: shape for _, sources in plan.values() for name, shape in sources}
+  present = set(tensors.names())
+  missing = sorted(set(expected) - present)
+  if missing or "d2t" not in present and hc.vocab_size != hc.target.vocab_size:
+    raise ValueError(f"{where}: missing tensor(s) {missing or ['d2t']} (the layout in "
+                     "specjax/hf/heads.py)")
+  unexpected = sorted(present - set(expected) - optional)
+  if unexpected:
+    raise ValueError(f"{where}: tensor(s) with no place in an EAGLE-3 head: {unexpected[:8]}")
+  for name, shape in expected.items():
+    if tensors.shape(name) != shape:
+      raise ValueError(f"{where}: tensor {name!r} has shape {tensors.shape(name)}; the config "
+                       f"and the target imply {shape}")
+  v, vd = hc.target.vocab_size, hc.vocab_size
+  if "d2t" in present:
+    if tensors.shape("d2t") != (vd,):
+      raise ValueError(f"{where}: tensor 'd2t' has shape {tensors.shape('d2t')}; "
+                       f"draft_vocab_size {vd} implies ({vd},)")
+    vocab = np.arange(vd) + np.asarray(tensors.load("d2t"), np.int64)
+  else:
+    vocab = np.arange(vd)
+  if vocab.min() < 0 or vocab.max() >= v or len(np.unique(vocab)) != vd:
+    raise ValueError(f"{where}: d2t maps draft ids outside the target's {v} tokens or onto "
+                     "the same token twice")
+  if "t2d" in present:
+    t2d = np.asarray(tensors.load("t2d")).astype(bool)
+    if t2d.shape != (v,) or t2d.sum() != vd or not t2d[vocab].all():
+      raise ValueError(f"{where}: t2d does not mark exactly the {vd} target tokens d2t maps to")
+  dt = float_dtype(dtype)
+  params = {}
+  from specjax.hf.weights import _set, assemble
+  for key, (layout, sources) in plan.items():
+    arrays = [np.asarray(tensors.load(name), np.float32) for name, _ in sources]
+    for (name, _), a in zip(sources, arrays):
+      if not np.isfinite(a).all():
+        raise ValueError(f"{where}: tensor {name!r} holds NaN or inf values")
+    _set(params, key, jnp.asarray(assemble(layout, arrays), dt))
+  params["vocab"] = jnp.asarray(vocab, jnp.int32)
+  embed = next((n for n in (model + "embed_tokens.weight", "embed_tokens.weight")
+                if n in present), None)
+  if embed is not None:
+    own = np.asarray(tensors.load(embed), np.float32)
+    theirs = np.asarray(target.params["embed"]["embedding"], np.float32)
+    if own.shape != theirs.shape or not np.allclose(own, theirs, rtol=1e-2, atol=1e-3):
+      raise ValueError(f"{where}: {embed} differs from the target's embedding; specjax's "
+                       "EAGLE-3 head reads the target's own (is this the head's target?)")
+  return heads_lib.Head(hc, params, heads_lib.target_fingerprint(target.config, target.params),
+                        {"source": str(path), "format": "EAGLE-3 (EAGLE authors' layout)"})
