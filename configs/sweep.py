@@ -30,6 +30,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.drafter = ("model", "ngram", "eagle")  # also 'medusa' (γ up to its head count)
   c.eagle_head = "stdlib-eagle"  # draft heads trained on the target: name or directory
   c.medusa_head = "stdlib-medusa"
+  c.eagle3_head = "stdlib-eagle3"
   # Paired timing of three drafters: keep the default a short run. summary.md recommends
   # the best measured point, and says whether the whole-call prediction, where it fits,
   # agrees; a best γ at the grid's largest says longer drafts went unmeasured ('full'

@@ -102,7 +102,7 @@ _PART = flags.DEFINE_enum("part", "pair", list(PARTS), "What to measure.")
 flags.DEFINE_string("target", None, f"Target: a shipped name, directory or hub id {_BY_PART}.")
 flags.DEFINE_string("draft", None, "Draft model or head: name, directory or hub id "
                     f"(stream, samples, calls: the drafter's shipped one) {_BY_PART}.")
-flags.DEFINE_enum("drafter", None, ["model", "ngram", "eagle", "medusa"],
+flags.DEFINE_enum("drafter", None, ["model", "ngram", "eagle", "eagle3", "medusa"],
                   f"Drafter (stream, samples, calls) {_BY_PART}.")
 flags.DEFINE_integer("gamma", None, f"Draft length γ {_BY_PART}.")
 flags.DEFINE_list("batch", None, f"Batch sizes (peer, sharding: one) {_BY_PART}.")

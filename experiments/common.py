@@ -25,7 +25,8 @@ from specjax.models.pretrained import load_pretrained, read_config
 
 
 # The shipped draft of each drafter that needs one.
-DEFAULT_DRAFTS = {"model": "stdlib-draft", "eagle": "stdlib-eagle", "medusa": "stdlib-medusa"}
+DEFAULT_DRAFTS = {"model": "stdlib-draft", "eagle": "stdlib-eagle", "eagle3": "stdlib-eagle3",
+                  "medusa": "stdlib-medusa"}
 
 # Every history-dependent processor but the automaton, for their share of a round.
 PROCESSORS = dict(repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty=0.1,

@@ -104,8 +104,8 @@ def validate(cfg) -> None:
     except ValueError as e:
       fail("trees", str(e))
     if isinstance(made, trees_lib.DynamicTree):
-      if _tree_drafter(cfg) not in ("model", "eagle"):
-        fail("trees", f"a dynamic tree needs the draft model or the EAGLE head first in "
+      if _tree_drafter(cfg) not in ("model", "eagle", "eagle3"):
+        fail("trees", f"a dynamic tree needs the draft model or an EAGLE head first in "
              f"drafter, got {cfg.drafter[0]!r}")
   if ("model" in cfg.drafter or _tree_drafter(cfg) == "model") and not cfg.draft:
     fail("draft", "drafter 'model' needs a draft model")
@@ -535,11 +535,12 @@ def grid_points(cfg) -> list[dict]:
 
 
 def _tree_drafter(cfg):
-  """Which drafter the `trees` axis uses: the first drafter if it is 'ngram', 'medusa' or
-  'eagle', else 'model' (None without trees)."""
+  """Which drafter the `trees` axis uses: the first drafter if it is 'ngram', 'medusa',
+  'eagle' or 'eagle3', else 'model' (None without trees)."""
   if not cfg.trees:
     return None
-  return cfg.drafter[0] if cfg.drafter[0] in ("ngram", "medusa", "eagle") else "model"
+  return (cfg.drafter[0] if cfg.drafter[0] in ("ngram", "medusa", "eagle", "eagle3")
+          else "model")
 
 
 def _as_tree(tree):

@@ -94,7 +94,8 @@ def test_training_time_test_attends_as_drafting_does():
   for anchor in (0, 5, 11):
     kv = kv_cache.init_kv(hc.layer_config, 2, SIZE)
     h, logits, kv = heads_lib.eagle_apply(hc, params, feats[:, :anchor + 1],
-                                          toks[:, 1: anchor + 2], kv, empty=True)
+                                          toks[:, 1: anchor + 2], kv, empty=True,
+                                          target_features=True)
     np.testing.assert_allclose(logits[:, -1], unrolled[0, :, anchor], atol=1e-4)
     h = h[:, -1:]
     for k in range(1, steps):

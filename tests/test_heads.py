@@ -367,7 +367,7 @@ def test_ledger_measures_a_head_at_a_prompt_shorter_than_a_pass(target):
   assert out.tokens == expected
 
 
-@pytest.mark.parametrize("name", ["stdlib-eagle", "stdlib-medusa"])
+@pytest.mark.parametrize("name", ["stdlib-eagle", "stdlib-eagle3", "stdlib-medusa"])
 def test_shipped_head_reproduces_its_card(name):
   import sys
   from experiments.common import heldout_windows

@@ -187,14 +187,15 @@ def test_forward_matches_the_reference(target_dir, target, tmp_path, torch_bin):
   params = head.draft_params(target)
   feats = model_lib.forward(target.graphdef, target.params, jnp.asarray(tokens),
                             hidden=hc.hidden)[1]
-  h, first, _ = heads_lib.eagle_apply(hc, params, feats[:, :-1], jnp.asarray(tokens[:, 1:]))
+  h, first, _ = heads_lib.eagle_apply(hc, params, feats[:, :-1], jnp.asarray(tokens[:, 1:]),
+                                      target_features=True)
   on = np.isfinite(first_ref)
   np.testing.assert_allclose(np.asarray(first)[on], first_ref[on], atol=2e-4, rtol=1e-4)
   assert np.all(np.asarray(first)[~on] == heads_lib.OFF_VOCAB)
   # The second step through the drafter's own cache.
   kv = kv_cache.init_kv(hc.layer_config, 2, 32)
   x, _, kv = heads_lib.eagle_apply(hc, params, feats[:, :7], jnp.asarray(tokens[:, 1:8]), kv,
-                                   empty=True)
+                                   empty=True, target_features=True)
   _, second, _ = heads_lib.eagle_apply(hc, params, x[:, -1:], jnp.asarray(tokens[:, 8:9]), kv)
   on = np.isfinite(second_ref)
   np.testing.assert_allclose(np.asarray(second[:, 0])[on], second_ref[on], atol=2e-4,

@@ -98,7 +98,7 @@ class EagleDrafter:
   """EAGLE: slot t reads (f_t, x_{t+1}) and predicts f_{t+1}, hence x_{t+2}. The same
   drafter runs an EAGLE-3 head: its f_t are the target's fused features
   (`feature_layers`, handed over by the target's passes), which the head's `fc` takes in
-  where they are that wide, and its predicted features are its own hidden states.
+  (`target_features=True`), and its predicted features are its own hidden states.
 
   Invariant between rounds: the head's cache holds slots 0..L-1 (L = kv.length) built
   from the target's true features, and `feats` holds the true features of positions
@@ -133,7 +133,7 @@ class EagleDrafter:
     known = _known(features, pos, n)
     next_tokens = jnp.take_along_axis(tokens, pos + 1, axis=1, mode="clip")
     _, _, kv = heads_lib.eagle_apply(self.config, params, known, next_tokens, state.kv,
-                                     empty=True)
+                                     empty=True, target_features=True)
     # Slots 0..n-3 stay; slot n-2 (the newest true feature) is fed by the first propose.
     start = jnp.maximum(n - 2, 0)
     idx = start[:, None] + jnp.arange(self.gamma + 1, dtype=jnp.int32)[None, :]
@@ -151,7 +151,7 @@ class EagleDrafter:
     # LM head runs on one row, and its layer (fused, on a CPU) on slots up to there.
     last = jnp.clip(n - 2 - start, 0, c - 1)
     x, logits, kv = heads_lib.eagle_apply(self.config, params, state.feats, next_tokens, kv,
-                                          at=last)
+                                          at=last, target_features=True)
     return x, logits[:, 0], kv.rollback(jnp.maximum(n - 1, 0))  # true slots 0..n-2
 
   def propose(self, params, state, tokens, n, key, sampling):

@@ -219,6 +219,10 @@ class EagleHead(_Readout):
                                 kernel_init=nnx.initializers.normal(0.02))
     self.layer = model_lib.Block(hc.layer_config, rngs)
 
+  def inputs(self, features):
+    """The target's features as the layer takes them (as they are)."""
+    return features
+
   def __call__(self, features, next_tokens, positions, cache=None, read_cache=True, at=None,
                mask=None):
     """features [B, T, d] (f_t), next_tokens int[B, T] (x_{t+1}), positions int[B, T]
@@ -253,13 +257,10 @@ class Eagle3Head(nnx.Module):
     self.lm_head = model_lib._dense(rngs, d, hc.vocab_size, False, 0.02)
     self.vocab = nnx.Variable(jnp.arange(hc.vocab_size, dtype=jnp.int32))
     self.full_vocab = hc.draft_vocab is None
-    self.fused_width = hc.feature_dim
 
   def inputs(self, features):
-    """fc over the target's fused features; the head's own h (width d) passes as it is."""
-    if features.shape[-1] == self.fused_width:
-      return self.fc(features.astype(self.fc.kernel.dtype))
-    return features
+    """The target's fused features [..., feature_dim] -> the layer's h [..., d]."""
+    return self.fc(features.astype(self.fc.kernel.dtype))
 
   def readout(self, h):
     """h [..., d] -> float32 logits over the target's vocabulary [..., V]; tokens outside
@@ -272,9 +273,9 @@ class Eagle3Head(nnx.Module):
 
   def __call__(self, features, next_tokens, positions, cache=None, read_cache=True, at=None,
                mask=None):
-    """As `EagleHead.__call__`; features are the target's fused ones [B, T, feature_dim]
-    or the head's own predictions [B, T, d]."""
-    h, cache = self.midlayer(self.inputs(features), self.embed(next_tokens), positions, cache,
+    """As `EagleHead.__call__`; features are the layer's h [B, T, d]: `inputs` of the
+    target's, or the head's own predictions."""
+    h, cache = self.midlayer(features, self.embed(next_tokens), positions, cache,
                              read_cache, mask)
     if at is not None:
       h = jnp.take_along_axis(h, at[:, None, None], axis=1)
@@ -359,8 +360,11 @@ def trainable(params) -> dict:
 
 
 def eagle_apply(hc: HeadConfig, params, features, next_tokens, kv=None, empty=False,
-                at=None, positions=None, mask=None):
+                at=None, positions=None, mask=None, target_features=False):
   """Runs the EAGLE head on T slots; with `kv`, at each row's own `kv.length`.
+
+  target_features: `features` are the target's (EAGLE-3's fused ones go through its
+  `fc`), not the head's own predictions.
 
   Returns (predicted features [B, T, d], logits float32[B, T, V], kv + T or None).
   Without a cache the slots are positions 0..T-1, attended causally (training).
@@ -374,6 +378,8 @@ def eagle_apply(hc: HeadConfig, params, features, next_tokens, kv=None, empty=Fa
   if positions is None:
     positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
   cache = None if kv is None else (kv.k[0], kv.v[0], kv.length)
+  if target_features:
+    features = module.inputs(features)
   x, logits, new = module(features, next_tokens, positions, cache, read_cache=not empty,
                           at=at, mask=mask)
   if kv is not None:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from specjax.models import checkpoint as checkpoint_lib
 
-KNOWN = ("stdlib-target", "stdlib-draft", "stdlib-eagle", "stdlib-medusa")
+KNOWN = ("stdlib-target", "stdlib-draft", "stdlib-eagle", "stdlib-eagle3", "stdlib-medusa")
 ENV_VAR = "SPECJAX_CHECKPOINTS"
 
 

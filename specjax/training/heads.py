@@ -63,7 +63,8 @@ def head_outputs(hc, params, feats, tokens, target_logits, steps: int = 1):
   EAGLE-3: one pair per unrolled step (`steps`), on the first T + 1 - steps slots.
   """
   if hc.kind == "eagle":
-    pred, logits, _ = heads_lib.eagle_apply(hc, params, feats[:, :-1], tokens[:, 1:])
+    pred, logits, _ = heads_lib.eagle_apply(hc, params, feats[:, :-1], tokens[:, 1:],
+                                            target_features=True)
     return [(logits, target_logits[:, 1:])], (pred, feats[:, 1:])
   if hc.kind == "eagle3":
     t = feats.shape[1] - steps  # slots whose every unrolled step has a target to match
