@@ -26,12 +26,19 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 class CheckpointTensors:
   """Names and shapes of a checkpoint's tensors up front; the arrays on demand."""
 
-  def __init__(self, directory: Path):
+  def __init__(self, directory: Path, file: Path | None = None):
+    """The weights of a model directory, or of one named `file` (.safetensors or a
+    torch state dict)."""
     self._file_of: dict[str, Path] = {}
     self._shapes: dict[str, tuple[int, ...]] = {}
     self._bf16: set[str] = set()  # safetensors' numpy reader has no bfloat16
     self._torch_state = None
-    if (directory / "model.safetensors").is_file():
+    if file is not None:
+      if file.suffix == ".safetensors":
+        self._read_safetensors([file])
+      else:
+        self._read_torch([file])
+    elif (directory / "model.safetensors").is_file():
       self._read_safetensors([directory / "model.safetensors"])
     elif (directory / "model.safetensors.index.json").is_file():
       self._read_safetensors(self._shards(directory / "model.safetensors.index.json"))

@@ -55,6 +55,9 @@ from specjax.models import model as model_lib
 from specjax.models.config import ModelConfig
 
 KINDS = ("eagle", "eagle3", "medusa")
+# 'specjax': the heads this package trains. 'published': EAGLE-1/2 and Medusa-1 heads in
+# their authors' layouts (`specjax.hf.heads`), on the target's final-normed features.
+LAYOUTS = ("specjax", "published")
 # The target's own (frozen) parameters a head reads, under the target's names.
 SHARED = ("embed", "final_norm", "lm_head")
 FORMAT = "specjax-head"
@@ -91,6 +94,7 @@ class HeadConfig:
   feature_layers: tuple[int, ...] | None = None
   draft_vocab: int | None = None
   layer: ModelConfig | None = None
+  layout: str = "specjax"
 
   def __post_init__(self):
     if self.kind not in KINDS:
@@ -98,10 +102,16 @@ class HeadConfig:
     if (not isinstance(self.medusa_heads, int) or isinstance(self.medusa_heads, bool)
         or self.medusa_heads < 1):
       raise ValueError(f"HeadConfig.medusa_heads must be a positive int, got {self.medusa_heads!r}")
+    if self.layout not in LAYOUTS or (self.kind == "eagle3" and self.layout != "specjax"):
+      raise ValueError(f"HeadConfig.layout must be one of {LAYOUTS} ('specjax' for eagle3), "
+                       f"got {self.layout!r}")
     if self.kind != "eagle3":
-      for name in ("feature_layers", "draft_vocab", "layer"):
+      for name in ("feature_layers", "draft_vocab"):
         if getattr(self, name) is not None:
           raise ValueError(f"HeadConfig.{name} is an EAGLE-3 field; a {self.kind} head has none")
+      if self.layer is not None and not (self.kind == "eagle" and self.layout == "published"):
+        raise ValueError("HeadConfig.layer is for EAGLE-3 and published EAGLE heads")
+      self._check_layer()
       return
     layers = self.feature_layers
     if layers is None:
@@ -119,13 +129,16 @@ class HeadConfig:
                           or not 1 <= v <= self.target.vocab_size):
       raise ValueError(f"HeadConfig.draft_vocab must be an int in 1..{self.target.vocab_size} "
                        f"(the target's vocabulary), got {v!r}")
+    self._check_layer()
+
+  def _check_layer(self):
     if self.layer is not None:
       if self.layer.d_model != self.target.d_model:
-        raise ValueError(f"an EAGLE-3 layer's hidden size must be the target's "
+        raise ValueError(f"an EAGLE layer's hidden size must be the target's "
                          f"{self.target.d_model} (it reads the target's embeddings), got "
                          f"{self.layer.d_model}")
       if self.layer.n_layers != 1 or self.layer.vocab_size != self.target.vocab_size:
-        raise ValueError("an EAGLE-3 layer config has n_layers 1 and the target's vocab_size")
+        raise ValueError("an EAGLE layer config has n_layers 1 and the target's vocab_size")
 
   @property
   def layer_config(self) -> ModelConfig:
@@ -167,8 +180,11 @@ class HeadConfig:
   def to_dict(self) -> dict[str, Any]:
     d = {"kind": self.kind, "medusa_heads": self.medusa_heads, "target": self.target.to_dict()}
     if self.kind == "eagle3":
-      d |= {"feature_layers": list(self.feature_layers), "draft_vocab": self.draft_vocab,
-            "layer": None if self.layer is None else self.layer.to_dict()}
+      d |= {"feature_layers": list(self.feature_layers), "draft_vocab": self.draft_vocab}
+    if self.layer is not None:
+      d["layer"] = self.layer.to_dict()
+    if self.layout != "specjax":
+      d["layout"] = self.layout
     return d
 
   @classmethod
@@ -178,7 +194,7 @@ class HeadConfig:
     if missing:
       raise ValueError(f"no HeadConfig field {', '.join(map(repr, missing))}")
     unknown = sorted(set(d) - {"kind", "target", "medusa_heads", "feature_layers",
-                               "draft_vocab", "layer"})
+                               "draft_vocab", "layer", "layout"})
     if unknown:
       raise ValueError(f"unknown HeadConfig fields: {unknown}")
     layers = d.get("feature_layers")
@@ -186,7 +202,8 @@ class HeadConfig:
                medusa_heads=d.get("medusa_heads", 4),
                feature_layers=tuple(layers) if isinstance(layers, list) else layers,
                draft_vocab=d.get("draft_vocab"),
-               layer=None if d.get("layer") is None else ModelConfig.from_dict(d["layer"]))
+               layer=None if d.get("layer") is None else ModelConfig.from_dict(d["layer"]),
+               layout=d.get("layout", "specjax"))
 
 
 class _Readout(nnx.Module):
@@ -326,12 +343,65 @@ class MedusaHead(_Readout):
     return self.readout(h)
 
 
-_MODULES = {"eagle": EagleHead, "eagle3": Eagle3Head, "medusa": MedusaHead}
+class PublishedEagleHead(_Readout):
+  """EAGLE-1/2 in its authors' layout: slot t fuses [embed(x_{t+1}), f̄_t] (f̄: the
+  target's final-normed feature, as transformers returns it) with `fc`, runs one decoder
+  layer with no input norm, and reads out through the target's LM head with no norm."""
+
+  def __init__(self, hc: HeadConfig, rngs: nnx.Rngs):
+    cfg, d = hc.layer_config, hc.target.d_model
+    self._init_shared(hc.target, rngs)
+    self.fc = model_lib.Dense(2 * d, d, use_bias=True, rngs=rngs)
+    self.attn = model_lib.Attention(cfg, rngs)
+    self.post_attention_layernorm = model_lib._norm(cfg, rngs)
+    self.mlp = model_lib.MLP(cfg, rngs)
+
+  def inputs(self, features):
+    return self.final_norm(features.astype(self.final_norm.scale.dtype))
+
+  def __call__(self, features, next_tokens, positions, cache=None, read_cache=True, at=None,
+               mask=None):
+    e = self.embed(next_tokens)
+    x = self.fc(jnp.concatenate([e, features.astype(e.dtype)], axis=-1))
+    attn_out, cache = self.attn(x, positions, cache, read_cache, mask)
+    x = x + attn_out
+    x = x + self.mlp(self.post_attention_layernorm(x))
+    if at is not None:
+      x = jnp.take_along_axis(x, at[:, None, None], axis=1)
+    head = self.embed.attend if self.tie else self.lm_head
+    return x, head(x).astype(jnp.float32), cache
+
+
+class PublishedMedusaHead(_Readout):
+  """Medusa-1 in its authors' layout: head k is h + SiLU(W h + b) on the target's
+  final-normed feature, then its own LM head."""
+
+  def __init__(self, hc: HeadConfig, rngs: nnx.Rngs):
+    d, v = hc.target.d_model, hc.target.vocab_size
+    self._init_shared(hc.target, rngs)
+    self.blocks = nnx.List([model_lib.Dense(d, d, use_bias=True, rngs=rngs)
+                            for _ in range(hc.medusa_heads)])
+    self.lm_heads = nnx.List([model_lib.Dense(d, v, use_bias=False, rngs=rngs)
+                              for _ in range(hc.medusa_heads)])
+
+  def __call__(self, features):
+    f = self.final_norm(features.astype(self.final_norm.scale.dtype))
+    return jnp.stack([lm(f + jax.nn.silu(block(f))).astype(jnp.float32)
+                      for block, lm in zip(self.blocks, self.lm_heads)], axis=-2)
+
+
+_MODULES = {("eagle", "specjax"): EagleHead, ("eagle3", "specjax"): Eagle3Head,
+            ("medusa", "specjax"): MedusaHead, ("eagle", "published"): PublishedEagleHead,
+            ("medusa", "published"): PublishedMedusaHead}
+
+
+def _module(hc: HeadConfig):
+  return _MODULES[hc.kind, hc.layout]
 
 
 @functools.lru_cache(maxsize=None)
 def graphdef_for(hc: HeadConfig):
-  abstract = nnx.eval_shape(lambda: _MODULES[hc.kind](hc, nnx.Rngs(0)))
+  abstract = nnx.eval_shape(lambda: _module(hc)(hc, nnx.Rngs(0)))
   return nnx.split(abstract)[0]
 
 
@@ -343,7 +413,7 @@ def shared_names(kind: str) -> tuple[str, ...]:
 
 def init_params(hc: HeadConfig, seed: int = 0) -> dict:
   """Fresh parameters of the head's own layers (the shared target pieces left out)."""
-  module = _MODULES[hc.kind](hc, nnx.Rngs(seed))
+  module = _module(hc)(hc, nnx.Rngs(seed))
   params = nnx.to_pure_dict(nnx.state(module))
   return {k: v for k, v in params.items() if k not in shared_names(hc.kind)}
 

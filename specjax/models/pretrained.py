@@ -62,33 +62,36 @@ def load_pretrained(name_or_path: str | os.PathLike, dtype=jnp.float32, mesh=Non
   ever holds the whole model.
 
   A draft-head directory (e.g. 'stdlib-eagle', 'stdlib-medusa') gives a
-  `specjax.models.heads.Head` instead. So does a published EAGLE-3 head (the EAGLE
-  authors' layout, `specjax.hf.heads`), which needs `target=` (the loaded `Model` it
-  drafts for): its files name no target, and every shape is checked against it.
+  `specjax.models.heads.Head` instead. So does a published EAGLE-3, EAGLE-1/2 or
+  Medusa-1 head (its authors' layout, `specjax.hf.heads`), which needs `target=` (the
+  loaded `Model` it drafts for): its files name no target, and every shape is checked
+  against it.
   """
   where = locate(name_or_path)
-  if isinstance(where, Path) and _is_eagle3(where):
+  kind = _published(where) if isinstance(where, Path) else None
+  if kind is not None:
     from specjax.hf import heads as hf_heads
     if target is None:
-      raise ValueError(f"{where} is a published EAGLE-3 head: pass target=<the loaded target "
+      raise ValueError(f"{where} is a published {kind} head: pass target=<the loaded target "
                        "Model> to load_pretrained, so its shapes can be checked against it")
     if mesh is not None:
       raise ValueError(f"{where} is a draft head; mesh= places models (load the head without it)")
-    return hf_heads.load_eagle3(where, target, dtype)
+    return hf_heads.load_published(where, target, dtype)
   if target is not None:
-    raise ValueError("target= is for published draft heads (an EAGLE-3 directory); "
-                     f"{name_or_path} is not one")
+    raise ValueError("target= is for published draft heads (EAGLE-3, EAGLE or Medusa "
+                     f"directories); {name_or_path} is not one")
   if not isinstance(where, Path) or _is_hf(where):
     from specjax import hf
     return hf.load_hf_model(os.fspath(where), dtype=dtype, mesh=mesh)
   return _load_dir(where, dtype, mesh)
 
 
-def _is_eagle3(path: Path) -> bool:
+def _published(path: Path) -> str | None:
+  """'eagle3', 'eagle' or 'medusa' for a published head directory (`specjax.hf.heads`)."""
   if not (path / "config.json").is_file() or (path / checkpoint_lib.MANIFEST).exists():
-    return False
+    return None
   from specjax.hf import heads as hf_heads
-  return hf_heads.is_eagle3_dir(path)
+  return hf_heads.published_kind(path)
 
 
 def _is_hf(path: Path) -> bool:
@@ -114,7 +117,7 @@ def locate(name_or_path) -> Path | str:
   path = Path(name).expanduser()
   if path.is_dir():
     if ((path / checkpoint_lib.MANIFEST).exists() or _is_head_dir(path)
-        or _is_hf_dir(path)):
+        or _is_hf_dir(path) or _published(path)):
       return path
     raise ValueError(f"{path} is neither a specjax checkpoint ({checkpoint_lib.MANIFEST}) "
                      "nor a Hugging Face model directory (config.json with model_type)")
@@ -138,8 +141,8 @@ def read_config(name_or_path: str | os.PathLike):
   where = locate(name_or_path)
   if not isinstance(where, Path):
     return None
-  if _is_eagle3(where):
-    raise ValueError(f"{where} is a published EAGLE-3 head; its config depends on the target "
+  if _published(where):
+    raise ValueError(f"{where} is a published draft head; its config depends on the target "
                      "(load it with load_pretrained(path, target=...))")
   if _is_hf(where):
     from specjax.hf import config as hf_config, files
