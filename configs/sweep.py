@@ -91,6 +91,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.verify_rule = ("exact", "block")
     c.gamma = (2, 4, 6)
     c.temperature = (0.7, 1.0)
+  elif variant == "eagle3":  # issue #53: the EAGLE-3 head beside EAGLE, paired speedups
+    c.drafter = ("eagle3", "eagle")
+    c.gamma = (2, 4, 6)
+    c.temperature = (0.0, 1.0)
+    c.num_prompts = 8
+    c.timing_pairs = 5
   elif variant == "full":
     c.gamma = (1, 2, 3, 4, 5, 6, 8, 10, 12)
     c.temperature = (0.0, 0.3, 0.7, 1.0, 1.3)
@@ -121,5 +127,5 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.max_new_tokens = 128
   elif variant:
     raise ValueError(f"unknown configs/sweep.py variant {variant!r}; "
-                     f"known: '', 'smoke', 'rules', 'full', 'gpt2', {', '.join(map(repr, HUB_PAIRS))}")
+                     f"known: '', 'smoke', 'rules', 'eagle3', 'full', 'gpt2', {', '.join(map(repr, HUB_PAIRS))}")
   return c

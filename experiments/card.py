@@ -4,6 +4,8 @@ r"""The numbers a shipped checkpoint's card reports, measured: a target/draft pa
       --out=checkpoints/card.json                                       # the pair's card
   python -m experiments.card --head=/work/runs/eagle/head --out=checkpoints/stdlib-eagle
   python -m experiments.card --head=/work/runs/medusa/head --out=checkpoints/stdlib-medusa
+  python -m experiments.card --head=/work/runs/eagle3/head --out=checkpoints/stdlib-eagle3 \
+      --prompts=32 --more_gammas=6 --beside=stdlib-eagle
 
 What does a checkpoint measure, so its card can say it? Without --head, the pair: held-out
 loss and bits per byte of both models, the acceptance rate α̂ = mean over held-out
@@ -17,7 +19,9 @@ With --head (a trained EAGLE / Medusa head's float32 export): saves it to --out 
 bfloat16, reloads it, and records in its head.json metadata α̂ (T = 0 and 1) over the
 held-out windows and over the first --test_windows of them (the slice tests/test_heads.py
 re-measures), and, through the engine's decode loop, tokens committed per target call at
-γ = --gamma on held-out prompts, the shipped --draft measured on the same prompts beside it.
+γ = --gamma on held-out prompts, the shipped --draft measured on the same prompts beside it;
+with --more_gammas and --beside (other shipped heads), every head at every γ on the same
+prompts, and each --beside head's propose step timed against this one's, alternately.
 """
 
 from __future__ import annotations
@@ -63,9 +67,15 @@ _PROMPTS = flags.DEFINE_integer("prompts", 16, "Held-out prompts for the head's 
                                 "measurement.", lower_bound=1)
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 64, "Tokens per prompt.", lower_bound=1)
 _NEW = flags.DEFINE_integer("max_new", 64, "New tokens per prompt.")
+_MORE_GAMMAS = flags.DEFINE_list("more_gammas", [], "Further draft lengths of the head's "
+                                 "decode measurement (card['decode_by_gamma']).")
+_BESIDE = flags.DEFINE_list("beside", [], "Shipped heads measured beside this one: the same "
+                            "prompts at every γ, and their propose step timed against this "
+                            "one's, alternately (card['beside']).")
 
 PAIR_ONLY = ("max_gamma",)
-HEAD_ONLY = ("test_windows", "gamma", "prompts", "prompt_len", "max_new")
+HEAD_ONLY = ("test_windows", "gamma", "prompts", "prompt_len", "max_new", "more_gammas",
+             "beside")
 
 # The small fixed slice tests/test_pretrained.py re-measures (fast on any CPU).
 TEST_SLICE_WINDOWS = 16
@@ -219,9 +229,37 @@ def ship_head(head_dir: str, out: str, target_name: str, draft_name: str) -> dic
           "test_slice_alpha_t1": test["alpha_t1"],
           "decode": {"gamma": gamma, "prompts": len(prompts), "prompt_len": _PROMPT_LEN.value,
                      "max_new_tokens": _NEW.value, **engine}}
+  gammas = [gamma] + [int(g) for g in _MORE_GAMMAS.value if int(g) != gamma]
+  beside = {name: load_pretrained(name) for name in _BESIDE.value}
+  if len(gammas) > 1 or beside:
+    card["decode_by_gamma"] = {
+        str(g): {f"T{t:g}": {"head": decode_stats(target, prompts, g, t, _NEW.value, head=head),
+                             **{name: decode_stats(target, prompts, g, t, _NEW.value, head=other)
+                                for name, other in beside.items()}}
+                 for t in (0.0, 1.0)} for g in gammas}
+  if beside:
+    card["beside"] = {name: step_beside(target, head, other) for name, other in beside.items()}
   head.metadata = {**trained.metadata, "card": card}
   heads.save_head(out, head, dtype="bfloat16")
   return card
+
+
+def step_beside(target, head, other, pairs: int = 9) -> dict:
+  """One propose call (γ = COST_GAMMA, batch 1, T = 1) of `head` against `other`'s, timed
+  alternately; ratio = other's time / head's (> 1: `head` drafts faster), and each one's
+  c (`costs.step_costs`)."""
+  from specjax import arguments, timing
+  timers = []
+  for h in (head, other):
+    drafter = arguments.make_drafter(target, h, None, COST_GAMMA, "probabilistic", 1, 4)
+    timers.append(timing.propose_timer(drafter, h.draft_params(target), 1,
+                                       target.config.vocab_size, COST_CONTEXT))
+  res = timing.paired(timers[0], timers[1], pairs=pairs, timers=True)
+  cs = [common.step_costs(target, h, h.kind, COST_GAMMA, 1, COST_CONTEXT)["c"]
+        for h in (head, other)]
+  return {"gamma": COST_GAMMA, "context": COST_CONTEXT, "step_ratio": res["ratio"],
+          "step_ratio_min": res["ratio_min"], "step_ratio_max": res["ratio_max"],
+          "c_head": cs[0], "c_beside": cs[1]}
 
 
 def main(argv):

@@ -1,6 +1,7 @@
-"""Published EAGLE-3 heads: a directory in the EAGLE authors' layout, as a specjax `Head`.
+"""Published draft heads, as specjax `Head`s: EAGLE-3, EAGLE-1/2 and Medusa-1 directories
+in their authors' layouts (`load_published`; `load_pretrained(dir, target=...)`).
 
-The layout (EAGLE's `eagle3` release, as vLLM's `llama_eagle3.py` and SGLang read it):
+EAGLE-3's layout (EAGLE's `eagle3` release, as vLLM's `llama_eagle3.py` and SGLang read it):
 config.json with `architectures` naming an Eagle3 model (e.g. `LlamaForCausalLMEagle3`),
 `hidden_size`, `intermediate_size`, heads, `rms_norm_eps`, `rope_theta`,
 `vocab_size` (the target's) and `draft_vocab_size`, optionally
