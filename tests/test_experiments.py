@@ -142,7 +142,7 @@ def test_bad_config_fails_at_once(tmp_path, field, value, message):
 
 
 @pytest.mark.parametrize("changes,message", [
-    (dict(drafter=("ngram", "model")), "needs the draft model or the EAGLE head first"),
+    (dict(drafter=("ngram", "model")), "needs the draft model or an EAGLE head first"),
 ])
 def test_a_dynamic_tree_the_sweep_cannot_run_fails_at_once(tmp_path, changes, message):
   cfg = sweep_config.get_config("smoke")

@@ -90,6 +90,15 @@ def _published(path: Path) -> str | None:
   """'eagle3', 'eagle' or 'medusa' for a published head directory (`specjax.hf.heads`)."""
   if not (path / "config.json").is_file() or (path / checkpoint_lib.MANIFEST).exists():
     return None
+  try:  # a look at config.json first: a model directory never imports the hf package
+    config = json.loads((path / "config.json").read_text())
+  except (ValueError, OSError):
+    return None
+  if not isinstance(config, dict) or not (
+      config.get("num_hidden_layers") == 1 or "medusa_num_heads" in config
+      or "draft_vocab_size" in config or any(path.glob("medusa_lm_head.*"))
+      or any("eagle" in str(a).lower() for a in config.get("architectures") or [])):
+    return None
   from specjax.hf import heads as hf_heads
   return hf_heads.published_kind(path)
 
