@@ -14,7 +14,8 @@ last committed token (index n-1) has no KV yet on either side. q is the distribu
 each y was drawn from (one-hot for token-only drafts).
 
 A drafter whose `uses_features` is True (a head on the target's hidden states) gets
-the target's last hidden states: of the prompt prefill in `prefill`, and of the verify
+the target's last hidden states (or, where it names `feature_layers`, those layers'
+residual streams concatenated): of the prompt prefill in `prefill`, and of the verify
 pass (inputs at positions start[b]..start[b]+γ) in `rollback`. Everything else gets None.
 
 One file per drafter:
@@ -22,7 +23,7 @@ One file per drafter:
   none.py    NoDrafter: γ = 0, the target-only baseline on the same engine
   model.py   ModelDrafter: a small causal LM with its own KV cache
   ngram.py   NgramDrafter: prompt lookup, token-only (one-hot q)
-  heads.py   EagleDrafter, MedusaDrafter: learned heads on the target's features
+  heads.py   EagleDrafter (EAGLE and EAGLE-3), MedusaDrafter: learned heads on the target's features
 
   trees.py   TreeModelDrafter, NgramTreeDrafter, TreeMedusaDrafter: a token tree per round
 """
