@@ -282,7 +282,9 @@ class Eagle3Head(nnx.Module):
   def readout(self, h):
     """h [..., d] -> float32 logits over the target's vocabulary [..., V]; tokens outside
     the draft vocabulary get OFF_VOCAB (probability exactly 0)."""
-    logits = self.lm_head(self.norm(h)).astype(jnp.float32)
+    # The target's readout path: one product with the norm folded in, where the backend
+    # has laid the head out (`model.head_logits`).
+    logits = model_lib.head_logits(h, self.embed, self.norm, self.lm_head, fused=True)
     if self.full_vocab:
       return logits
     full = jnp.full(logits.shape[:-1] + (self.embed.num_embeddings,), OFF_VOCAB, jnp.float32)
