@@ -151,19 +151,33 @@ def test_greedy_speculation_equals_target_greedy(tree):
 def test_three_token_law_with_a_reduced_vocabulary():
   """q is 0 on the tokens outside the draft vocabulary, p is not: the residual must give
   them their mass. Whole continuations follow the target's law at T = 1 with top-p."""
-  from conftest import LAW_ROWS, exact_continuations, target_and_draft, within_law
+  from conftest import LAW_ROWS, target_and_draft, within_law
   small, _ = target_and_draft()  # vocabulary 8, 2 layers
   head = e3_head(small, draft_vocab=(0, 2, 3, 5, 6))
   prompt, length = [3, 1, 3], 3
   res = run(small, head, [prompt] * LAW_ROWS, 1.0, gamma=2, max_new=length, seed=4,
             top_p=0.9)
-  _, probs = exact_continuations(small, prompt, length)
   # top-p = 0.9 on the target: the law is the processed one, computed exactly.
   probs = _top_p_law(small, prompt, length, 0.9)
   ok, worst = within_law(res.tokens, probs)
   assert ok, f"worst z={worst}"
   assert 0.05 < res.stats["acceptance_rate"] < 0.95
   assert set(np.asarray(res.tokens).ravel().tolist()) - {0, 2, 3, 5, 6}  # residual tokens
+
+
+def test_tree_three_token_law_with_a_reduced_vocabulary():
+  """EAGLE-3 trees (children drawn without replacement from a q that is 0 on 3 of the 8
+  tokens) follow the target's law at T = 1."""
+  from conftest import LAW_ROWS, exact_continuations, target_and_draft, within_law
+  small, _ = target_and_draft()
+  head = e3_head(small, draft_vocab=(0, 2, 3, 5, 6))
+  prompt, length = [3, 1, 3], 3
+  res = specjax.generate(small, [prompt] * LAW_ROWS, max_new_tokens=length, draft=head,
+                         tree=(2, 2), temperature=1.0, seed=5)
+  _, probs = exact_continuations(small, prompt, length)
+  ok, worst = within_law(res.tokens, probs)
+  assert ok, f"worst z={worst}"
+  assert 0.05 < res.stats["acceptance_rate"] < 0.95
 
 
 def _top_p_law(model, prompt, length, top_p):
