@@ -53,9 +53,7 @@ def head_config(config: dict, target, where: str = "EAGLE-3 head") -> heads_lib.
   """The HeadConfig of a published EAGLE-3 config.json on `target` (a specjax Model);
   ValueError naming the field that does not fit the target."""
   tc = target.config
-  _need(tc.norm == "rmsnorm" and tc.position == "rope" and tc.mlp == "swiglu", where,
-        "target", f"must be a Llama-family model (RMSNorm, RoPE, SwiGLU); got norm={tc.norm}, "
-        f"position={tc.position}, mlp={tc.mlp}")
+  _llama_target(tc, where)
   for field, want in (("hidden_size", tc.d_model), ("vocab_size", tc.vocab_size)):
     _need(config.get(field) == want, where, field,
           f"is {config.get(field)!r}; the target's is {want}")
@@ -139,28 +137,19 @@ def load_eagle3(path: str | os.PathLike, target, dtype=jnp.float32) -> heads_lib
   hc = head_config(read_config(path / "config.json"), target, where)
   tensors = CheckpointTensors(path)
   plan, model = _plan(hc, tensors.names())
-  optional = {"d2t", "t2d", model + "embed_tokens.weight", "embed_tokens.weight"}
-  expected = {name: shape for _, sources in plan.values() for name, shape in sources}
   present = set(tensors.names())
-  missing = sorted(set(expected) - present)
-  if missing or "d2t" not in present and hc.vocab_size != hc.target.vocab_size:
-    raise ValueError(f"{where}: missing tensor(s) {missing or ['d2t']} (the layout in "
-                     "specjax/hf/heads.py)")
-  unexpected = sorted(present - set(expected) - optional)
-  if unexpected:
-    raise ValueError(f"{where}: tensor(s) with no place in an EAGLE-3 head: {unexpected[:8]}")
-  for name, shape in expected.items():
-    if tensors.shape(name) != shape:
-      raise ValueError(f"{where}: tensor {name!r} has shape {tensors.shape(name)}; the config "
-                       f"and the target imply {shape}")
   v, vd = hc.target.vocab_size, hc.vocab_size
+  embeds = [model + "embed_tokens.weight", "embed_tokens.weight"]
+  _check(tensors, plan, {"d2t", "t2d", *embeds}, where)
+  if "d2t" not in present and vd != v:
+    raise ValueError(f"{where}: missing tensor(s) ['d2t'] (the layout in specjax/hf/heads.py)")
+  if "d2t" in present and tensors.shape("d2t") != (vd,):
+    raise ValueError(f"{where}: tensor 'd2t' has shape {tensors.shape('d2t')}; "
+                     f"draft_vocab_size {vd} implies ({vd},)")
+  params = _load(tensors, plan, where, dtype)
+  vocab = np.arange(vd)
   if "d2t" in present:
-    if tensors.shape("d2t") != (vd,):
-      raise ValueError(f"{where}: tensor 'd2t' has shape {tensors.shape('d2t')}; "
-                       f"draft_vocab_size {vd} implies ({vd},)")
-    vocab = np.arange(vd) + np.asarray(tensors.load("d2t"), np.int64)
-  else:
-    vocab = np.arange(vd)
+    vocab = vocab + np.asarray(tensors.load("d2t"), np.int64)
   if vocab.min() < 0 or vocab.max() >= v or len(np.unique(vocab)) != vd:
     raise ValueError(f"{where}: d2t maps draft ids outside the target's {v} tokens or onto "
                      "the same token twice")
@@ -168,24 +157,8 @@ def load_eagle3(path: str | os.PathLike, target, dtype=jnp.float32) -> heads_lib
     t2d = np.asarray(tensors.load("t2d")).astype(bool)
     if t2d.shape != (v,) or t2d.sum() != vd or not t2d[vocab].all():
       raise ValueError(f"{where}: t2d does not mark exactly the {vd} target tokens d2t maps to")
-  dt = float_dtype(dtype)
-  params = {}
-  from specjax.hf.weights import _set, assemble
-  for key, (layout, sources) in plan.items():
-    arrays = [np.asarray(tensors.load(name), np.float32) for name, _ in sources]
-    for (name, _), a in zip(sources, arrays):
-      if not np.isfinite(a).all():
-        raise ValueError(f"{where}: tensor {name!r} holds NaN or inf values")
-    _set(params, key, jnp.asarray(assemble(layout, arrays), dt))
   params["vocab"] = jnp.asarray(vocab, jnp.int32)
-  embed = next((n for n in (model + "embed_tokens.weight", "embed_tokens.weight")
-                if n in present), None)
-  if embed is not None:
-    own = np.asarray(tensors.load(embed), np.float32)
-    theirs = np.asarray(target.params["embed"]["embedding"], np.float32)
-    if own.shape != theirs.shape or not np.allclose(own, theirs, rtol=1e-2, atol=1e-3):
-      raise ValueError(f"{where}: {embed} differs from the target's embedding; specjax's "
-                       "EAGLE-3 head reads the target's own (is this the head's target?)")
+  _check_embed(tensors, embeds, target, where)
   return heads_lib.Head(hc, params, heads_lib.target_fingerprint(target.config, target.params),
                         {"source": str(path), "format": "EAGLE-3 (EAGLE authors' layout)"})
 
@@ -248,8 +221,12 @@ def _llama_target(tc, where):
 
 def _read(tensors, plan: dict, optional: set, where: str, dtype) -> dict:
   """params from `plan` (specjax path -> (layout, [(name, shape)])), every name and
-  shape checked first; `optional` names may be present and are not read here."""
-  from specjax.hf.weights import _set, assemble
+  shape checked first (`_check`); `optional` names may be present and are not read here."""
+  _check(tensors, plan, optional, where)
+  return _load(tensors, plan, where, dtype)
+
+
+def _check(tensors, plan: dict, optional: set, where: str):
   expected = {name: shape for _, sources in plan.values() for name, shape in sources}
   present = set(tensors.names())
   missing = sorted(set(expected) - present)
@@ -263,6 +240,10 @@ def _read(tensors, plan: dict, optional: set, where: str, dtype) -> dict:
     if tensors.shape(name) != shape:
       raise ValueError(f"{where}: tensor {name!r} has shape {tensors.shape(name)}; the config "
                        f"and the target imply {shape}")
+
+
+def _load(tensors, plan: dict, where: str, dtype) -> dict:
+  from specjax.hf.weights import _set, assemble
   params, dt = {}, float_dtype(dtype)
   for key, (layout, sources) in plan.items():
     arrays = [np.asarray(tensors.load(name), np.float32) for name, _ in sources]

@@ -265,7 +265,6 @@ class Eagle3Head(nnx.Module):
 
   def __init__(self, hc: HeadConfig, rngs: nnx.Rngs):
     cfg, d = hc.layer_config, hc.target.d_model
-    self.tie = False
     self.embed = model_lib.Embed(hc.target.vocab_size, d, rngs=rngs)  # the target's
     self.embed.dtype = None
     self.fc = model_lib._dense(rngs, hc.feature_dim, d, False, 0.02)
