@@ -3,9 +3,11 @@
   python -m experiments.rules                       # model + EAGLE, γ = 2, 4, 6, T = 0.7, 1
   python -m experiments.rules --drafter=model --gamma=4 --temperature=1.0 --repeats=5
   python -m experiments.rules --drafter=model,medusa --tree=2,2,1,1   # traversal vs exact
+  python -m experiments.rules --drafter=model,eagle --tree=dynamic,14,4,4  # a DynamicTree
 
-With --tree the draft is that token tree (branching factors, γ is its depth) and the
-method is traversal verification; without it, a chain of γ and block verification.
+With --tree the draft is that token tree (branching factors, or dynamic,nodes,depth,topk;
+γ is its depth) and the method is traversal verification; without it, a chain of γ and
+block verification.
 
 For each drafter, γ and temperature: one batched call per rule over --batch_prompts
 held-out prompts (the same prompts and seed) counts tokens per target call, with its
@@ -34,8 +36,9 @@ _NEW = flags.DEFINE_integer("max_new_tokens", 48, "New tokens per call.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed passes over the prompts.")
 _BATCH = flags.DEFINE_integer("batch_prompts", 64, "Prompts of the one batched call per "
                               "rule that counts tokens per target call (0: none).")
-_TREE = flags.DEFINE_list("tree", None, "Branching factors of a token tree (2,2,1,1): "
-                          "traversal against exact on it instead of block on a chain.")
+_TREE = flags.DEFINE_list("tree", None, "Branching factors of a token tree (2,2,1,1), or "
+                          "dynamic,nodes,depth,topk: traversal against exact on it instead "
+                          "of block on a chain.")
 _OUT = flags.DEFINE_string("out", None, "JSON-lines file for the rows.")
 
 
@@ -74,7 +77,11 @@ def counted(target, prompts, kw: dict, rules: tuple[str, str]) -> dict:
 def main(argv):
   del argv
   rows = []
-  tree = tuple(int(k) for k in _TREE.value) if _TREE.value else None
+  tree = None
+  if _TREE.value:
+    dynamic = _TREE.value[0] == "dynamic"
+    tree = tuple(int(k) for k in _TREE.value[dynamic:])
+    tree = ("dynamic", *tree) if dynamic else tree  # generate's spelling of a DynamicTree
   if tree is not None:
     common.refuse_flags(["gamma"], "is the tree's depth with --tree: drop it")
   rules = ("exact", "traversal") if tree else ("exact", "block")

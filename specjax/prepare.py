@@ -217,10 +217,6 @@ def _on_one_device(target: Model, prompts, given: params_lib.Params) -> Prepared
   if tree is not None and spec.verify_rule not in ("exact", "traversal"):
     raise ValueError(f"tree= works with the exact rule only or verify_rule='traversal', got "
                      f"verify_rule={spec.verify_rule!r}")
-  if isinstance(drafter.tree if tree is not None else None, trees_lib.DynamicTree):
-    if spec.verify_rule != "exact":
-      raise ValueError(f"a DynamicTree is verified by the exact node walk only, got "
-                       f"verify_rule={spec.verify_rule!r}")
   if tree is None and spec.verify_rule == "traversal":
     raise ValueError("verify_rule='traversal' verifies a token tree: pass tree=...; on a "
                      "chain it is block verification, verify_rule='block'")

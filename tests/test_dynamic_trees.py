@@ -5,6 +5,7 @@ the law of 3-token continuations at T > 0 with top-p, greedy equality, bad input
 
 import itertools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import parameterized
@@ -15,7 +16,7 @@ from specjax.drafters import trees as tree_drafters
 from specjax.verify import tree as tree_verify
 from conftest import LAW_ROWS, greedy_oracle, target_and_draft, tiny_model, within_law
 from test_block import filtered_law
-from test_traversal import _models, law_over, node_rule_outcomes, target_law
+from test_traversal import _models, law_over, node_rule_outcomes, target_law, traversal_outcomes
 from test_trees import distinct_draws
 
 
@@ -89,10 +90,11 @@ def grown_trees(dtree, q, raw, mode, fallback, score="rank", p=None):
   return out
 
 
-def dynamic_law(dtree, p, q, grown, mode):
+def dynamic_law(dtree, p, q, grown, mode, outcomes=node_rule_outcomes):
   """The law of the first depth+1 emitted tokens (completed by the target) and the
-  expected accepted tokens, over every grown tree and the node walk's randomness."""
-  return law_over(grown, p, q, mode, node_rule_outcomes, dtree.depth)
+  expected accepted tokens, over every grown tree and the walk's randomness (the node
+  walk's, or traversal's)."""
+  return law_over(grown, p, q, mode, outcomes, dtree.depth)
 
 
 DYNAMIC = [(4, 2, 2), (5, 3, 2), (6, 3, 2)]  # (nodes, depth, topk)
@@ -126,6 +128,25 @@ class ExactLawTest(parameterized.TestCase):
                          mode)
     self.assertGreater(np.abs(bad - want).sum(), 1e-3)
 
+  @parameterized.parameters(*itertools.product(DYNAMIC, ("sampled", "topk")))
+  def test_traversal_law_is_p_and_accepts_no_less(self, shape, mode):
+    """Traversal verification of every grown tree: the law is p (float64), the expected
+    accepted length is at least the node walk's, and traversal that leaves the parent
+    alone after a rejection is not lossless on them."""
+    dtree = trees.DynamicTree(*shape)
+    rng = np.random.default_rng(sum(shape) * 13 + (mode == "topk"))
+    p, q = _models(rng, 3, dtree.depth, 3)
+    raw, _ = _models(rng, 3, dtree.depth, 3)
+    grown = grown_trees(dtree, q, raw, mode, [2, 0, 1])
+    want = target_law(p, 3, dtree.depth)
+    law, mean = dynamic_law(dtree, p, q, grown, mode, traversal_outcomes)
+    np.testing.assert_allclose(law, want, atol=1e-12)
+    _, node_mean = dynamic_law(dtree, p, q, grown, mode)
+    self.assertGreaterEqual(mean, node_mean - 1e-12)
+    wrong = lambda *a: traversal_outcomes(*a, update_parent=False)
+    bad, _ = dynamic_law(dtree, p, q, grown, mode, wrong)
+    self.assertGreater(np.abs(bad - want).sum(), 1e-3)
+
   def test_scoring_children_by_their_own_draws_is_not_lossless(self):
     """EAGLE-2's score (each sampled child's own q) lets a child's token decide whether
     its later siblings are tried: the law moves. The drafter's rank scores do not."""
@@ -154,6 +175,37 @@ class StructureTest(parameterized.TestCase):
     anc = np.asarray(tree_verify.ancestors_of(dtree, jnp.array([parents])))[0]
     np.testing.assert_array_equal(anc, static.ancestors)
     self.assertEqual(dtree.depths, static.depths)
+
+  @parameterized.parameters(False, True)
+  def test_traversal_of_data_parents_is_the_static_walk(self, unroll):
+    """The traversal walk of a tree given as data (its Euler tour, paths and ranks found
+    on the device) gives the static tree's walk bit for bit: rows with different parents
+    in one batch, sampled and top-k children, the loops rolled and unrolled."""
+    from specjax.verify import traversal
+    dtree = trees.DynamicTree(7, 3, 2, level_sizes=(2, 2, 3))
+    rows = [(-1, -1, 0, 0, 2, 2, 3), (-1, -1, 1, 1, 2, 3, 3), (-1, -1, 0, 1, 2, 3, 3)]
+    rng = np.random.default_rng(0)
+    b, n, v = len(rows), dtree.nodes, 6
+    ps = jnp.asarray(rng.dirichlet(np.ones(v) * 0.4, size=(b, n + 1)), jnp.float32)
+    q = jnp.asarray(rng.dirichlet(np.ones(v) * 0.4, size=(b, n)), jnp.float32)
+    tokens = jnp.asarray(rng.integers(0, v, size=(b, n)), jnp.int32)
+    keys = jax.random.split(jax.random.PRNGKey(1), b)
+    children = tree_verify.children_of(dtree, jnp.asarray(rows))
+    for deterministic in (False, True):
+      got = traversal.walk_batch(keys, tokens, q, ps, dtree, deterministic, unroll,
+                                 children=children)
+      for i, parents in enumerate(rows):
+        static = trees.Tree(parents)
+        want = traversal.walk(keys[i], tokens[i], q[i], ps[i], static, deterministic, unroll)
+        events, _ = traversal.schedule(static)
+        got_events = traversal.traced_schedule(dtree, children[i])[0]
+        np.testing.assert_array_equal(np.asarray(got_events), events)
+        for a, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+          k = np.asarray(a)[i]
+          w = np.asarray(w)
+          if k.shape != w.shape:  # by_rank: the static tree may be narrower
+            k = k[:w.shape[0]]
+          np.testing.assert_array_equal(k, w)
 
   def test_level_sizes(self):
     self.assertEqual(trees.DynamicTree(14, 4, 4).level_sizes, (4, 4, 3, 3))
@@ -185,16 +237,19 @@ ENGINE = {  # name: (DynamicTree's arguments, draft_sample, T, top-p)
 
 
 class EngineLawTest(parameterized.TestCase):
-  """The empirical law of LAW_ROWS 3-token continuations with a dynamic tree."""
+  """The empirical law of LAW_ROWS 3-token continuations with a dynamic tree, walked
+  root first or (`_traversal`) leaves first."""
 
-  @parameterized.named_parameters(*[(name, name) for name in ENGINE])
-  def test_three_token_law(self, name):
+  @parameterized.named_parameters(*[(name, name) for name in ENGINE],
+                                  ("sampled_T1_traversal", "sampled_T1", "traversal"),
+                                  ("topk_T08_topp_traversal", "topk_T08_topp", "traversal"))
+  def test_three_token_law(self, name, rule="exact"):
     shape, mode, temperature, top_p = ENGINE[name]
     target, draft = target_and_draft()
     prompt = [3, 1, 3]
     res = specjax.generate(target, [prompt] * LAW_ROWS, max_new_tokens=3, draft=draft,
                            tree=specjax.DynamicTree(*shape), draft_sample=mode,
-                           temperature=temperature, top_p=top_p, seed=4)
+                           temperature=temperature, top_p=top_p, seed=4, verify_rule=rule)
     ok, worst = within_law(res.tokens, filtered_law(target, prompt, 3, temperature, 0, top_p))
     self.assertTrue(ok, f"worst z={worst}")
     self.assertTrue(res.stats["lossless"])
@@ -226,17 +281,23 @@ class PenaltiesTest(parameterized.TestCase):
 
 class GreedyTest(parameterized.TestCase):
 
-  @parameterized.parameters(((8, 3, 3), "greedy"), ((14, 4, 4), "probabilistic"))
-  def test_equals_target_greedy(self, shape, mode):
+  @parameterized.parameters(((8, 3, 3), "greedy", "exact"), ((14, 4, 4), "probabilistic", "exact"),
+                            ((8, 3, 3), "greedy", "traversal"))
+  def test_equals_target_greedy(self, shape, mode, rule):
     target = tiny_model(vocab=16, n_layers=2, seed=3, sharpness=1.5)
     draft = tiny_model(vocab=16, d_model=16, seed=8, sharpness=1.5)
     prompts = [[1, 2, 3, 1, 2, 4, 1, 2], [4, 5, 6, 7, 0, 1, 2, 3, 4], [7]]
     tree = specjax.DynamicTree(*shape) if mode == "probabilistic" else ("dynamic", *shape)
     res = specjax.generate(target, prompts, max_new_tokens=12, draft=draft, tree=tree,
-                           draft_sample=mode)  # ('dynamic', ...): the configs' spelling
+                           draft_sample=mode, verify_rule=rule)  # ('dynamic', ...): configs'
     for prompt, out in zip(prompts, res.tokens):
       self.assertEqual(out, greedy_oracle(target, prompt, 12))
     self.assertGreater(res.stats["accepted"], 0)
+    if rule == "traversal":  # at T = 0 both walks accept the path matching the argmax
+      node = specjax.generate(target, prompts, max_new_tokens=12, draft=draft, tree=tree,
+                              draft_sample=mode)
+      for key in ("accepted", "rounds"):
+        self.assertEqual(res.stats[key], node.stats[key], key)
 
 
 class BadInputTest(parameterized.TestCase):
@@ -247,7 +308,7 @@ class BadInputTest(parameterized.TestCase):
     from test_heads import random_head
     for kw, msg in [(dict(drafter="ngram"), "needs drafter='model'"),
                     (dict(draft=random_head(target, "medusa")), "needs drafter='model'"),
-                    (dict(draft=draft, verify_rule="traversal"), "exact node walk only"),
+                    (dict(draft=draft, verify_rule="block"), "exact rule only or"),
                     (dict(draft=draft, gamma=3), "depth 2 but gamma=3")]:
       with self.assertRaisesRegex(ValueError, msg):
         specjax.generate(target, [[1, 2]], max_new_tokens=2, tree=tree, **kw)

@@ -63,8 +63,41 @@ def schedule(tree: Tree):
   return np.asarray(events, np.int32), paths
 
 
+def traced_schedule(tree, children):
+  """`schedule` of one row whose tree is data (a `trees.DynamicTree`; `children` int32[N+1,
+  K] as `verify.tree.children_of` gives them), with each node's parent row and sibling
+  rank: (events, paths, parents + 1, ranks). Nodes lie depth by depth (`tree.levels`)."""
+  nodes, width = tree.num_nodes, children.shape[1]
+  rows = jnp.broadcast_to(jnp.arange(nodes + 1, dtype=jnp.int32)[:, None], children.shape)
+  cols = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32)[None, :], children.shape)
+  slot = jnp.where(children >= 0, children, nodes)  # padding lands out of range: dropped
+  parent_row = jnp.zeros((nodes,), jnp.int32).at[slot].set(rows, mode="drop")
+  ranks = jnp.zeros((nodes,), jnp.int32).at[slot].set(cols, mode="drop")
+  paths = jnp.full((nodes + 1, tree.depth), -1, jnp.int32)
+  for d, (first, count) in enumerate(tree.levels):
+    idx = jnp.arange(first, first + count, dtype=jnp.int32)
+    paths = paths.at[idx + 1].set(paths[parent_row[idx]].at[:, d].set(idx))
+
+  def step(e, c):
+    # After entering a node: its first child, or its test if it is a leaf. After testing
+    # it: its next sibling, else its parent's test (the last event has neither).
+    events, node, enter = c
+    events = events.at[e].set(jnp.stack([node, enter.astype(jnp.int32)]))
+    first = children[node + 1, 0]
+    r = ranks[node] + 1
+    sibling = jnp.where(r < width, children[parent_row[node], jnp.minimum(r, width - 1)], -1)
+    down = enter & (first >= 0)
+    node = jnp.where(down, first, jnp.where(enter, node, jnp.where(sibling >= 0, sibling,
+                                                                   parent_row[node] - 1)))
+    return events, node, down | (~enter & (sibling >= 0))
+
+  events, _, _ = jax.lax.fori_loop(
+      0, 2 * nodes, step, (jnp.zeros((2 * nodes, 2), jnp.int32), children[0, 0], jnp.bool_(True)))
+  return events, paths, parent_row, ranks
+
+
 def walk(key, node_tokens, node_q, ps, tree: Tree, deterministic: bool, unroll=None,
-         update_parent=True):
+         update_parent=True, children=None):
   """One row, `verify.tree.walk`'s inputs and outputs: (n_accepted, next_token,
   overlap[depth], path int32[depth] (-1 past it), by_rank).
 
@@ -72,24 +105,29 @@ def walk(key, node_tokens, node_q, ps, tree: Tree, deterministic: bool, unroll=N
   a leaf), as the node walk reports it. by_rank (tried, accepted, chance) per sibling
   rank: how many rank-r nodes were tested, how many lie on the accepted path (so the
   accepted counts add up to n_accepted), and the sum of the tested nodes' weights.
-  update_parent=False is a deliberately wrong variant (a rejection leaves the parent's
-  p and w as they were) for the tests; it is not lossless.
+  children: int32[N+1, K], this row's own tree (a `trees.DynamicTree`); None: the static
+  tree's. update_parent=False is a deliberately wrong variant (a rejection leaves the
+  parent's p and w as they were) for the tests; it is not lossless.
   """
   unroll = jax.default_backend() != "cpu" if unroll is None else bool(unroll)
-  events, paths = schedule(tree)
-  events = jnp.asarray(events)  # indexed by a traced step when the loop is rolled
-  parents = jnp.asarray(np.asarray(tree.parents, np.int32) + 1)  # the parent's row
-  ranks = jnp.asarray(tree.ranks, jnp.int32)
-  first = jnp.asarray(np.maximum(tree.children[:, 0], 0))
-  has_children = jnp.asarray(tree.children[:, 0] >= 0)
-  width, vocab = tree.children.shape[1], ps.shape[-1]
+  if children is None:
+    events, paths = (jnp.asarray(a) for a in schedule(tree))
+    parents = jnp.asarray(np.asarray(tree.parents, np.int32) + 1)  # the parent's row
+    ranks = jnp.asarray(tree.ranks, jnp.int32)
+    children = jnp.asarray(tree.children)
+  else:
+    events, paths, parents, ranks = traced_schedule(tree, children)
+  depths = jnp.asarray(tree.depths, jnp.int32)
+  first = jnp.maximum(children[:, 0], 0)
+  has_children = children[:, 0] >= 0
+  width, vocab = children.shape[1], ps.shape[-1]
   keys = jax.random.split(key, tree.num_nodes + 1)
   # Drawn before the loop (the same numbers as drawing in it).
   uniforms = jax.vmap(jax.random.uniform)(keys[:-1])
   # Row u's draft q (what its children were drawn from).
   left0 = jnp.where(has_children[:, None], node_q[first], 0.0)
-  kids = jnp.asarray(np.maximum(tree.children, 0))  # [N+1, K]
-  is_kid = jnp.asarray(tree.children >= 0)
+  kids = jnp.maximum(children, 0)  # [N+1, K]
+  is_kid = children >= 0
 
   def child_q(left_u, x):
     """The distribution child x was drawn from, and whether it was a draw at all."""
@@ -100,51 +138,59 @@ def walk(key, node_tokens, node_q, ps, tree: Tree, deterministic: bool, unroll=N
     return jnp.where(mass > 0, left_u / jnp.where(mass > 0, mass, 1.0), onehot)
 
   def step(e, c):
-    # Row u's q minus its children tried so far is rebuilt from `gone` (bool[N]): a
-    # carried [N+1, V] copy of it, updated in place, made XLA:CPU copy the whole carry
-    # every step (the walk took 4-30x the node walk's time). dist[u] is read once, as
-    # the row its own update depends on.
-    w, dist, gone, final, tried, taken, chance = c
+    # Only the nodes between the root and the current node are live (entered, not yet
+    # tested), one per depth, so their weights and distributions are a stack indexed by
+    # depth (0 = the root): a carry of [depth + 1, V], not [N + 1, V], which XLA:CPU
+    # copies every step. Row u's q minus its children tried so far is rebuilt from
+    # `gone` (bool[N]) for the same reason.
+    w, dist, out, gone, final, tried, taken, chance = c
     node, enter = events[e, 0], events[e, 1] == 1
     row, u = node + 1, parents[node]
+    d = depths[node]  # the node's level in the stack; its parent's is d - 1
     x = node_tokens[node]
-    out = is_kid[u] & gone[kids[u]]
-    left_u = left0[u].at[node_tokens[kids[u]]].multiply(jnp.where(out, 0.0, 1.0))
+    out_kids = is_kid[u] & gone[kids[u]]
+    left_u = left0[u].at[node_tokens[kids[u]]].multiply(jnp.where(out_kids, 0.0, 1.0))
     qc = child_q(left_u, x)
-    dist_u = dist[u]
+    dist_u, w_u, w_v = dist[d - 1], w[d - 1], w[d]
     live = final < 0
     # enter: the child's weight from its parent's current weight and distribution.
-    w_in = jnp.minimum(1.0, w[u] * dist_u[x] / jnp.maximum(qc[x], 1e-30))
-    # test: accepted with probability w[row]; else the parent is updated.
+    w_in = jnp.minimum(1.0, w_u * dist_u[x] / jnp.maximum(qc[x], 1e-30))
+    # test: accepted with probability w_v; else the parent is updated.
     testing = live & ~enter
-    accept = uniforms[node] < w[row]
+    accept = uniforms[node] < w_v
     rejected = testing & ~accept
-    r = jnp.maximum(w[u] * dist_u - qc, 0.0)
+    r = jnp.maximum(w_u * dist_u - qc, 0.0)
     total = jnp.sum(r)
-    w_out = total / jnp.maximum(total + 1.0 - w[u], 1e-30)
+    w_out = total / jnp.maximum(total + 1.0 - w_u, 1e-30)
+    out = jnp.where(testing & accept, dist[d], out)
     if update_parent:
-      dist = dist.at[u].set(jnp.where(rejected & (total > 0), r / jnp.maximum(total, 1e-30),
-                                      dist_u))
-      w = w.at[u].set(jnp.where(rejected, jnp.where(u == 0, 1.0, w_out), w[u]))
+      new_u = jnp.where(rejected & (total > 0), r / jnp.maximum(total, 1e-30), dist_u)
+      w = w.at[d - 1].set(jnp.where(rejected, jnp.where(u == 0, 1.0, w_out), w_u))
+    else:
+      new_u = dist_u
+    # One row written a step: the entered node's p, or its parent's residual.
+    dist = dist.at[jnp.where(enter, d, d - 1)].set(jnp.where(enter, ps[row], new_u))
     gone = gone.at[node].set(gone[node] | rejected)
-    w = w.at[row].set(jnp.where(live & enter, w_in, w[row]))
+    w = w.at[d].set(jnp.where(live & enter, w_in, w[d]))
     rank = ranks[node]
     tried = tried.at[rank].add(testing.astype(jnp.int32))
-    chance = chance.at[rank].add(jnp.where(testing, w[row], 0.0))
+    chance = chance.at[rank].add(jnp.where(testing, w_v, 0.0))
     final = jnp.where(testing & accept, row, final)
-    return w, dist, gone, final, tried, taken, chance
+    return w, dist, out, gone, final, tried, taken, chance
 
-  n_rows = tree.num_nodes + 1
-  init = (jnp.ones((n_rows,), ps.dtype), ps, jnp.zeros((tree.num_nodes,), bool), jnp.int32(-1),
+  stack = jnp.zeros((tree.depth + 1, vocab), ps.dtype).at[0].set(ps[0])
+  init = (jnp.ones((tree.depth + 1,), ps.dtype), stack, jnp.zeros((vocab,), ps.dtype),
+          jnp.zeros((tree.num_nodes,), bool), jnp.int32(-1),
           jnp.zeros((width,), jnp.int32), jnp.zeros((width,), jnp.int32),
           jnp.zeros((width,), jnp.float32))
-  w, dist, _, final, tried, taken, chance = jax.lax.fori_loop(
-      0, len(events), step, init, unroll=unroll)
-  final = jnp.maximum(final, 0)  # every child rejected: the root, w = 1
-  path = jnp.asarray(paths)[final]
+  w, dist, out, _, final, tried, taken, chance = jax.lax.fori_loop(
+      0, 2 * tree.num_nodes, step, init, unroll=unroll)
+  # Every child rejected: the root (w = 1) emits from what is left of its p.
+  next_token = sample(keys[-1], jnp.where(final < 0, dist[0], out))
+  final = jnp.maximum(final, 0)
+  path = paths[final]
   on_path = path >= 0
   n_accepted = jnp.sum(on_path).astype(jnp.int32)
-  next_token = sample(keys[-1], dist[final])
   taken = taken.at[ranks[jnp.maximum(path, 0)]].add(on_path.astype(jnp.int32))
   # The path's rows by depth (root first); overlap as the node walk defines it.
   rows = jnp.concatenate([jnp.zeros((1,), jnp.int32), path[:-1] + 1])
@@ -155,10 +201,15 @@ def walk(key, node_tokens, node_q, ps, tree: Tree, deterministic: bool, unroll=N
 
 
 def walk_batch(keys, node_tokens, node_q, ps, tree: Tree, deterministic: bool, unroll=None,
-               update_parent=True):
-  """`walk` of each row (vmapped over the first four)."""
-  return jax.vmap(lambda *rows: walk(*rows, tree, deterministic, unroll, update_parent))(
-      keys, node_tokens, node_q, ps)
+               update_parent=True, children=None):
+  """`walk` of each row (vmapped over the first four, and `children` [B, N+1, K] when
+  given)."""
+  if children is None:
+    return jax.vmap(lambda *rows: walk(*rows, tree, deterministic, unroll, update_parent))(
+        keys, node_tokens, node_q, ps)
+  return jax.vmap(lambda k, y, q, p, c: walk(k, y, q, p, tree, deterministic, unroll,
+                                             update_parent, c))(
+      keys, node_tokens, node_q, ps, children)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,13 +222,15 @@ class TraversalRule:
   lossless = True
 
   @staticmethod
-  def walk_tree(keys, node_tokens, node_q, ps, tree: Tree, deterministic: bool, unroll=None):
-    """`verify.tree.walk_batch`'s outputs. By sibling rank only the accepted path's counts
-    are kept: the walk tests nodes leaves first, so its tries and their weights are not
-    the node rule's α by rank, which `ledger.tree_expected_tokens` prices (results give
-    nan for them)."""
+  def walk_tree(keys, node_tokens, node_q, ps, tree: Tree, deterministic: bool, unroll=None,
+                children=None):
+    """`verify.tree.walk_batch`'s outputs (children: each row's own, for a dynamic tree).
+    By sibling rank only the accepted path's counts are kept: the walk tests nodes leaves
+    first, so its tries and their weights are not the node rule's α by rank, which
+    `ledger.tree_expected_tokens` prices (results give nan for them)."""
+    kw = {} if children is None else {"children": children}
     n_accepted, next_token, overlap, path, (tried, taken, chance) = walk_batch(
-        keys, node_tokens, node_q, ps, tree, deterministic, unroll)
+        keys, node_tokens, node_q, ps, tree, deterministic, unroll, **kw)
     return n_accepted, next_token, overlap, path, (jnp.zeros_like(tried), taken,
                                                    jnp.zeros_like(chance))
 
