@@ -32,6 +32,7 @@ distance of bfloat16 and int8 from float32.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import types
@@ -231,7 +232,7 @@ def summary(res: dict) -> str:
 def run(out: Path, small: bool = False, budget_s: float = 420.0,
         stages=("machine", "bandwidth", "synthetic", "shipped"), synthetic_batches=(1, 8),
         synthetic_pair=("tinyllama-1.1b", "llama-68m"), shipped_reserve_s: float = 120.0,
-        peer: bool = False, roofline_grid=None) -> dict:
+        peer: bool = False, roofline_grid=None, decode_kernel=None) -> dict:
   """The stages in order, each written to <out>/accel.json and <out>/summary.md as soon as
   it ends; a stage that would start past `budget_s` is skipped and says so, one that
   fails records its error and the others still run."""
@@ -259,7 +260,7 @@ def run(out: Path, small: bool = False, budget_s: float = 420.0,
       elif stage == "roofline":
         m = res.get("machine") or stage_machine(small)
         res[stage] = stage_roofline(small, deadline, m.get("peak_gbps"), m.get("copy_gbps"),
-                                    peer=peer, grid=roofline_grid)
+                                    peer=peer, grid=roofline_grid, decode_kernel=decode_kernel)
       else:  # synthetic
         later = stages[stages.index(stage):]
         res[stage] = stage_synthetic(small, deadline - shipped_reserve_s * ("shipped" in later),
@@ -286,7 +287,7 @@ ROOFLINE_GRID = (("tinyllama-1.1b", 1, 512), ("llama3-8b", 1, 512),
                  ("tinyllama-1.1b", 8, 4096), ("llama3-8b", 8, 4096))
 SMALL_ROOFLINE_GRID = (("tinyllama-1.1b", 1, 32), ("llama3-8b", 8, 64))
 ROOFLINE_METHODS = ("minimal static", "minimal traced", "engine T=0", "engine T=1",
-                    "transformers static cache")
+                    "engine T=0 decode kernel", "transformers static cache")
 
 
 def _minimal_decode(model, backend):
@@ -373,11 +374,13 @@ def _per_step(times_long, times_short, steps):
 
 def roofline_point(model, shape: str, batch: int, context: int, *, rounds=(16, 144),
                    repeats: int = 5, peer: bool = False, peer_compiled: bool = True,
-                   peak=None, copy=None, seed: int = 0) -> dict:
+                   peak=None, copy=None, seed: int = 0, decode_kernel=None) -> dict:
   """One (shape, batch, context) row: per-step time of the minimal loop (static and
-  traced trip count), the engine target-only at T = 0 and T = 1 and, with `peer`,
-  transformers; each the median over `repeats` interleaved passes of (long call - short
-  call) / (its extra steps)."""
+  traced trip count), the engine target-only at T = 0 and T = 1, with `decode_kernel`
+  (None: on a GPU) the engine at T = 0 reading its cache through the Pallas decode kernel
+  (`Options(decode_kernel=True)`; on a CPU interpreted, with XLA's products: a check that
+  it runs, not a speed) and, with `peer`, transformers; each the median over `repeats`
+  interleaved passes of (long call - short call) / (its extra steps)."""
   r1, r2 = rounds
   if not (isinstance(r1, int) and isinstance(r2, int) and 0 < r1 < r2):
     raise ValueError(f"rounds must be ints 0 < short < long, got {rounds!r}")
@@ -398,6 +401,15 @@ def roofline_point(model, shape: str, batch: int, context: int, *, rounds=(16, 1
     preps[t] = p
     key = prepare_lib.seed_key(seed)
     runs[f"engine T={t:g}"] = (lambda p, key: lambda r: p.run(key, r).tokens)(p, key)
+  on_cpu = jax.default_backend() == "cpu"
+  if decode_kernel if decode_kernel is not None else jax.default_backend() == "gpu":
+    options = dataclasses.replace(backends.default_options(), decode_kernel=True,
+                                  kernels=not on_cpu)  # the CPU's own kernels fuse first
+    p = dataclasses.replace(preps[0.0], engine=dataclasses.replace(preps[0.0].engine,
+                                                                   backend_options=options))
+    preps["kernel"] = p
+    runs["engine T=0 decode kernel"] = (lambda p, key: lambda r: p.run(key, r).tokens)(
+        p, prepare_lib.seed_key(seed))
   backend = backends.select()
   prefill, loop_static, loop_traced = _minimal_decode(model, backend)
   params = backend.layout(model.params)
@@ -420,6 +432,11 @@ def roofline_point(model, shape: str, batch: int, context: int, *, rounds=(16, 1
   extra["tokens_compared"] = int(width)
   extra["equal_prefix"] = int(min(_equal_prefix(t[:width], m[:width])
                                   for t, m in zip(engine_tokens, minimal_tokens)))
+  if "kernel" in preps:  # as far as its greedy tokens agree with XLA's attention's
+    state = preps["kernel"].run(prepare_lib.seed_key(seed), r2)
+    extra["kernel_equal_prefix"] = int(min(
+        _equal_prefix(np.asarray(state.tokens[i, context:state.n[i]])[:width], t[:width])
+        for i, t in enumerate(engine_tokens)))
   if peer:
     try:
       runs["transformers static cache"], extra["peer"] = _peer_decode(
@@ -464,7 +481,7 @@ def roofline_point(model, shape: str, batch: int, context: int, *, rounds=(16, 1
 
 
 def stage_roofline(small: bool, deadline: float, peak, copy, peer: bool = False,
-                   grid=None, repeats=None, rounds=None) -> dict:
+                   grid=None, repeats=None, rounds=None, decode_kernel=None) -> dict:
   """`roofline_point` over the grid, in order, until `deadline` (later rows are listed
   as skipped); one random-weight model per shape, shared by its rows."""
   shapes = SMALL_SHAPES if small else SHAPES
@@ -489,7 +506,8 @@ def stage_roofline(small: bool, deadline: float, peak, copy, peer: bool = False,
       kwargs = dict(shapes[shape], max_len=max(shapes[shape]["max_len"], max_len))
       models[shape] = synthetic.random_model(kwargs, "bfloat16", seed=0)
     row = roofline_point(models[shape], shape, batch, context, rounds=rounds, repeats=repeats,
-                         peer=peer, peer_compiled=not small, peak=peak, copy=copy)
+                         peer=peer, peer_compiled=not small, peak=peak, copy=copy,
+                         decode_kernel=decode_kernel)
     rows.append(row)
     row["row_s"] = time.monotonic() - t0
     took[shape] = (row["row_s"], context)
@@ -523,6 +541,9 @@ def roofline_table(part: dict) -> list[str]:
             "roofline_point)")
     note = f"- {r['shape']}, batch {r['batch']}, context {r['context']}: minimal decode's " \
            f"tokens = engine T=0's: {same} (of {r['tokens_compared']} per row)"
+    if "kernel_equal_prefix" in r:
+      note += (f"; the decode kernel's tokens = engine T=0's for the first "
+               f"{r['kernel_equal_prefix']} in every row")
     peer = r.get("peer")
     if peer:
       note += ("; transformers " + (peer["error"] if "error" in peer else

@@ -70,6 +70,7 @@ def test_roofline_stage_small_runs_on_the_cpu_and_reports_sane_numbers(tmp_path)
   assert row["bytes_per_step"] == accel.step_bytes(model, 8, 16 + (r1 + r2) // 2)
   methods = row["methods"]
   assert list(methods) == ["minimal static", "minimal traced", "engine T=0", "engine T=1"]
+  assert "kernel_equal_prefix" not in row  # the decode kernel's row: on a GPU only
   copy = res["machine"]["copy_gbps"]
   minimal = methods["minimal static"]["step_ms"]
   for name, m in methods.items():
@@ -86,6 +87,17 @@ def test_roofline_stage_small_runs_on_the_cpu_and_reports_sane_numbers(tmp_path)
   assert (f"| llama-68m | 8 | 16 | {row['bytes_per_step'] / 1e9:.3f} GB | engine T=1 | "
           f"{m['step_ms']:.3f} ") in text
   assert (tmp_path / "accel.json").exists()
+
+
+def test_roofline_decode_kernel_row_runs_interpreted_on_the_cpu(tmp_path):
+  """The row a GPU run adds (`Options(decode_kernel=True)`), forced on here: it runs and
+  decodes the engine's greedy tokens."""
+  res = accel.run(tmp_path, small=True, stages=("roofline",), roofline_grid=[("llama-68m", 2, 16)],
+                  decode_kernel=True)
+  row = res["roofline"]["rows"][0]
+  assert "engine T=0 decode kernel" in row["methods"]
+  assert row["kernel_equal_prefix"] == row["tokens_compared"]
+  assert "the decode kernel's tokens = engine T=0's" in (tmp_path / "summary.md").read_text()
 
 
 def test_equal_prefix_counts_the_leading_tokens_that_agree():

@@ -19,6 +19,8 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from specjax.backends import pallas
+
 
 @dataclasses.dataclass(frozen=True)
 class Options:
@@ -51,8 +53,12 @@ class Options:
   bf16_panels: bool = True
   # A cached pass writes its new K/V first, then runs one masked attention over the
   # buffers (`layers.attend_written`); None: off a CPU only (`Backend.writes_first`).
-  # The one field that acts off a CPU.
+  # Off a CPU the one field but decode_kernel that acts there.
   write_first: bool | None = None
+  # Cached attention reads each row's cache only up to its length, through jax's Pallas
+  # GPU decode kernel (`backends.pallas`; on a CPU interpreted, for the tests). Off by
+  # default: its speed on a GPU has not been measured (`experiments.accel` roofline).
+  decode_kernel: bool = False
 
 
 class LayerWeights(NamedTuple):
@@ -116,6 +122,21 @@ class Backend:
   def attend(self, plain: Callable, q, k, v, cache, mask, laid_out: bool = False):
     """`layers.attend(q, k, v, cache, mask)`, passed as plain (the model's)."""
     return plain(q, k, v, cache, mask)
+
+  def reads_valid_blocks(self, cache, mask) -> bool:
+    """Whether this cached attention runs `cache_attention` (`Options.decode_kernel`):
+    a buffer the kernel can split, no per-slot mask, rows not split over a mesh."""
+    if not self.options.decode_kernel or cache is None or self.whole_rows:
+      return False
+    if jax.default_backend() == "tpu":
+      raise ValueError("Options(decode_kernel=True) runs jax's Pallas GPU decode kernel: "
+                       "on a TPU leave it off")
+    return (mask is None or mask[1] is None) and pallas.splits(cache[0].shape[2]) is not None
+
+  def cache_attention(self, qg, k_buf, v_buf, length):
+    """`pallas.cache_attention` on this platform (interpreted but on a GPU)."""
+    return pallas.cache_attention(qg, k_buf, v_buf, length,
+                                  interpret=jax.default_backend() != "gpu")
 
   def fuses_attention(self, cfg, qkv_kernel, cache, mask, tokens: int) -> bool:
     """Whether `rope_attention` runs this layer's cached attention."""

@@ -147,6 +147,29 @@ def attend_written(q, k_buf, v_buf, length, mask=None):
   return jnp.einsum("bkgts,bksd->btkgd", weights, v_buf).reshape(b, t, h * d)
 
 
+def attend_in_parts(q, k, v, cache, mask, cache_part):
+  """`attend` with the cache's part from a kernel: cache_part(qg, k_buf, v_buf, length)
+  gives flash attention's unnormalised sums (o, l, m) of every query over each row's
+  history (`backends.pallas.cache_attention`), merged here with the chunk's own keys by
+  their maxima. mask as `attend`'s with slots None: every new query sees the whole
+  history, and the chunk mask (causal, or a tree's) only the chunk."""
+  b, t, h, d = q.shape
+  kvh = k.shape[2]
+  k_buf, v_buf, length = cache
+  qg = q.reshape(b, t, kvh, h // kvh, d) * (d ** -0.5)
+  chunk = jnp.tril(jnp.ones((t, t), bool)) if mask is None else mask[0]
+  chunk = chunk[:, :, None, None] if chunk.ndim == 3 else chunk[None, :, None, None]
+  scores = jnp.einsum("btkgd,bukd->btkgu", qg, k).astype(jnp.float32)
+  scores = jnp.where(chunk, scores, -1e30)  # a query always sees itself
+  o_c, l_c, m_c = cache_part(qg, k_buf, v_buf, length)
+  m = jnp.maximum(m_c, jnp.max(scores, axis=-1))
+  e = jnp.exp(scores - m[..., None])
+  carry = jnp.exp(m_c - m)
+  l = l_c * carry + jnp.sum(e, axis=-1)
+  o = o_c * carry[..., None] + jnp.einsum("btkgu,bukd->btkgd", e, v.astype(jnp.float32))
+  return (o / l[..., None]).astype(v.dtype).reshape(b, t, h * d)
+
+
 def _weighted_cache(weights, v_buf, values_left=False):
   """Σ_s weights[b, k, g, t, s] · v_buf[b, k, s, :] -> [B, T, KVH, G, D].
 

@@ -25,8 +25,8 @@ from specjax import backends
 from specjax.models import kv_cache
 from specjax.models import quantization
 from specjax.models.config import ModelConfig
-from specjax.models.layers import (attend, attend_written, rope, rope_angles, rope_frequencies,
-                                   split_fused)
+from specjax.models.layers import (attend, attend_in_parts, attend_written, rope, rope_angles,
+                                   rope_frequencies, split_fused)
 
 Params = dict[str, Any]
 
@@ -121,6 +121,11 @@ class Attention(nnx.Module):
       q, k = rope(q, positions, freqs), rope(k, positions, freqs)
     if cache is None:
       return self.out(attend(q, k, v, mask=mask)), None
+    if read_cache and backend.reads_valid_blocks(cache, mask):  # each row's history only
+      k_buf, v_buf, length = cache
+      out = attend_in_parts(q, k, v, cache, mask, backend.cache_attention)
+      k_buf, v_buf = kv_cache.write(k_buf, k, length), kv_cache.write(v_buf, v, length)
+      return self.out(out), (k_buf, v_buf)
     if read_cache and backend.writes_first:  # one masked attention over the buffers
       k_buf, v_buf, length = cache
       k_buf, v_buf = kv_cache.write(k_buf, k, length), kv_cache.write(v_buf, v, length)
