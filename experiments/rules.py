@@ -21,6 +21,7 @@ call to call, for the quartiles of the per-call ratio block / exact of the round
 from __future__ import annotations
 
 
+import numpy as np
 from absl import app
 from absl import flags
 
@@ -36,6 +37,8 @@ _NEW = flags.DEFINE_integer("max_new_tokens", 48, "New tokens per call.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed passes over the prompts.")
 _BATCH = flags.DEFINE_integer("batch_prompts", 64, "Prompts of the one batched call per "
                               "rule that counts tokens per target call (0: none).")
+_SEEDS = flags.DEFINE_integer("count_seeds", 1, "Seeds of the batched count (more: the "
+                              "errors from their spread).")
 _TREE = flags.DEFINE_list("tree", None, "Branching factors of a token tree (2,2,1,1), or "
                           "dynamic,nodes,depth,topk: traversal against exact on it instead "
                           "of block on a chain.")
@@ -61,17 +64,29 @@ def compare(target, prompts, kw: dict, repeats: int, rules: tuple[str, str]) -> 
                                                           round_s[base])]))
 
 
-def counted(target, prompts, kw: dict, rules: tuple[str, str]) -> dict:
-  """One batched call per rule (the same prompts and seed): tokens per target call with
-  its standard error, and method − baseline with the error of the difference."""
+def counted(target, prompts, kw: dict, rules: tuple[str, str], seeds: int = 1) -> dict:
+  """One batched call per rule and seed (the same prompts): tokens per target call with
+  its standard error, and method − baseline with the error of the difference. One seed:
+  the errors from the committed-per-round histogram, which treats rounds as independent
+  (they are not: a row's rounds share its text); more: the mean over seeds, and the
+  errors from the seeds' spread (the gain's from its per-seed differences)."""
   base, method = rules
-  out = {rule: common.per_call(specjax.generate(target, prompts, seed=0, verify_rule=rule,
-                                         **kw).stats) for rule in rules}
+  runs = {rule: [common.per_call(specjax.generate(target, prompts, seed=seed,
+                                                  verify_rule=rule, **kw).stats)
+                 for seed in range(seeds)] for rule in rules}
+  if seeds == 1:
+    out = {rule: r[0] for rule, r in runs.items()}
+    gain_se = (out[method][1] ** 2 + out[base][1] ** 2) ** 0.5
+  else:
+    means = {rule: np.array([m for m, _ in r]) for rule, r in runs.items()}
+    sem = lambda x: float(np.std(x, ddof=1) / np.sqrt(len(x)))
+    out = {rule: (float(x.mean()), sem(x)) for rule, x in means.items()}
+    gain_se = sem(means[method] - means[base])
   gain = out[method][0] - out[base][0]
   return dict(batched={rule: {"mean": round(m, 4), "se": round(e, 4)}
                        for rule, (m, e) in out.items()},
-              batched_gain=round(gain, 4),
-              batched_gain_se=round((out[method][1] ** 2 + out[base][1] ** 2) ** 0.5, 4))
+              batched_gain=round(gain, 4), batched_gain_se=round(gain_se, 4),
+              batched_seeds=seeds)
 
 
 def main(argv):
@@ -101,7 +116,7 @@ def main(argv):
         out = (compare(target, prompts, run_kw, _REPEATS.value, rules) if _REPEATS.value
                else {})
         if many:
-          out.update(counted(target, many, run_kw, rules))
+          out.update(counted(target, many, run_kw, rules, _SEEDS.value))
         shape = dict(tree=list(tree)) if tree else dict(gamma=gamma)
         row = dict(drafter=drafter, **shape, temperature=temperature, **out)
         rows.append(row)

@@ -7,6 +7,8 @@ import functools
 import itertools
 from unittest import mock
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from absl.testing import parameterized
 
@@ -209,6 +211,49 @@ class ExactLawTest(parameterized.TestCase):
       for i in range(gamma, -1, -1):
         block[i], reach = reach * h[i], reach * (1 - h[i])
       np.testing.assert_allclose(ours, block, atol=1e-12)
+
+
+class WalkTest(parameterized.TestCase):
+  """The compiled walk (`traversal.walk`) against the float64 reference it follows."""
+
+  @parameterized.parameters(*itertools.product(((2, 2), (3, 1), (2, 1, 1)), ("sampled", "topk")))
+  def test_outcome_frequencies_are_the_references(self, branching, mode):
+    """On one draft tree, the frequencies of (accepted path, next token) over 20,000 keys
+    are `traversal_outcomes`' probabilities (within 5 sd + 1 count), rolled (a while loop
+    on the CPU) and unrolled alike, with the same outcomes key by key."""
+    tree = trees.Tree.from_branching(branching)
+    rng = np.random.default_rng(sum(branching) + (mode == "topk"))
+    vocab = 3
+    p, q = _models(rng, vocab, tree.depth, vocab)
+    drafts = _draft_trees(tree, q, mode, [2, 0, 1])
+    tokens, _ = drafts[len(drafts) // 2]
+    pre = [()] * (tree.num_nodes + 1)
+    for i, par in enumerate(tree.parents):
+      pre[i + 1] = pre[par + 1] + (tokens[i],)
+    ps = np.stack([p[s] for s in pre]).astype(np.float32)
+    node_q = np.stack([q[pre[par + 1]] for par in tree.parents]).astype(np.float32)
+    want = {}
+    for prob, path, nxt in traversal_outcomes(tree, tokens, p, q, mode):
+      for y in range(vocab):
+        key = (tuple(path), y)
+        want[key] = want.get(key, 0.0) + prob * nxt[y]
+    n = 20000
+    keys = jax.random.split(jax.random.PRNGKey(0), n)
+    args = (keys, jnp.broadcast_to(jnp.asarray(tokens, jnp.int32), (n, tree.num_nodes)),
+            jnp.broadcast_to(node_q, (n,) + node_q.shape), jnp.broadcast_to(ps, (n,) + ps.shape))
+    outs = [traversal.walk_batch(*args, tree, mode == "topk", unroll) for unroll in (False, True)]
+    for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1])):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5)
+    n_acc, nxt, _, path, _ = outs[0]
+    counts = {}
+    for k, y, pa in zip(np.asarray(n_acc), np.asarray(nxt), np.asarray(path)):
+      key = (tuple(int(v) for v in pa[:k]), int(y))
+      counts[key] = counts.get(key, 0) + 1
+    self.assertLessEqual(set(counts), {k for k, v in want.items() if v > 0})
+    for key, prob in want.items():
+      got, prob = counts.get(key, 0), min(max(prob, 0.0), 1.0)  # float64 rounding
+      self.assertLessEqual(abs(got - n * prob), 5 * np.sqrt(n * prob * (1 - prob)) + 1,
+                           (key, got, n * prob))
 
 
 # The engine's walk: `verify_rule='traversal'` with a tree drafter.

@@ -111,82 +111,149 @@ def walk(key, node_tokens, node_q, ps, tree: Tree, deterministic: bool, unroll=N
   """
   unroll = jax.default_backend() != "cpu" if unroll is None else bool(unroll)
   if children is None:
-    events, paths = (jnp.asarray(a) for a in schedule(tree))
+    events, paths = schedule(tree)
+    order = jnp.asarray(events[events[:, 1] == 0, 0])
+    paths = jnp.asarray(paths)
     parents = jnp.asarray(np.asarray(tree.parents, np.int32) + 1)  # the parent's row
     ranks = jnp.asarray(tree.ranks, jnp.int32)
     children = jnp.asarray(tree.children)
   else:
     events, paths, parents, ranks = traced_schedule(tree, children)
+    # The tests in walk order: test events take their place among the tests.
+    tests = events[:, 1] == 0
+    at = jnp.where(tests, jnp.cumsum(tests) - 1, tree.num_nodes)
+    order = jnp.zeros((tree.num_nodes,), jnp.int32).at[at].set(events[:, 0], mode="drop")
+  depth, nodes = tree.depth, tree.num_nodes
   depths = jnp.asarray(tree.depths, jnp.int32)
   first = jnp.maximum(children[:, 0], 0)
   has_children = children[:, 0] >= 0
   width, vocab = children.shape[1], ps.shape[-1]
-  keys = jax.random.split(key, tree.num_nodes + 1)
+  keys = jax.random.split(key, nodes + 1)
   # Drawn before the loop (the same numbers as drawing in it).
   uniforms = jax.vmap(jax.random.uniform)(keys[:-1])
-  # Row u's draft q (what its children were drawn from).
+  # Row u's draft q (what its children were drawn from), and its mass.
   left0 = jnp.where(has_children[:, None], node_q[first], 0.0)
+  mass0 = jnp.sum(left0, axis=-1)
   kids = jnp.maximum(children, 0)  # [N+1, K]
   is_kid = children >= 0
+  x_all = node_tokens
 
-  def child_q(left_u, x):
-    """The distribution child x was drawn from, and whether it was a draw at all."""
-    onehot = jax.nn.one_hot(x, vocab, dtype=ps.dtype)
+  def q_at(left_x, mass):
+    """q(x) of a child drawn from what is left of its parent's q (a point mass where
+    nothing is: a fixed token; top-k children always)."""
     if deterministic:
-      return onehot
-    mass = jnp.sum(left_u)
-    return jnp.where(mass > 0, left_u / jnp.where(mass > 0, mass, 1.0), onehot)
+      return jnp.ones_like(left_x)
+    return jnp.where(mass > 0, left_x / jnp.where(mass > 0, mass, 1.0), 1.0)
+
+  # A first child's q(x) and its parent's p(x) when the parent has just been entered
+  # (nothing tried below it yet): scalars, per node.
+  fresh_p = ps[parents, x_all]
+  fresh_q = q_at(left0[parents, x_all], mass0[parents])
+
+  # chain[v]: v, its first child, that one's first child, ... (-1 past a leaf): the nodes
+  # entered, in one go, after v's previous sibling is rejected.
+  chain = [jnp.arange(nodes, dtype=jnp.int32)]
+  for _ in range(depth - 1):
+    chain.append(jnp.where(chain[-1] >= 0, children[jnp.maximum(chain[-1], 0) + 1, 0], -1))
+  chain = jnp.stack(chain, axis=1)  # [N, depth]
+  # log(p/q) of entering a first child of a just-entered node (its parent's ps row).
+  gain = jnp.log(fresh_p) - jnp.log(jnp.maximum(fresh_q, 1e-30))
+
+  def descend(v, d, a, w, fresh, row_at):
+    """Enter v at depth d with weight a (-1: none), then the first child of each entered
+    node down to a leaf. Their weights w_k = min(1, w_(k-1) p/q) in closed form, with
+    S_k the partial sums of log(p/q) below v: w_k = min(1, exp(S_k - max(-log a,
+    S_1..S_(k-1)))); their distributions are their ps rows (`fresh`) until a child of
+    theirs is rejected."""
+    nodes_k = chain[jnp.maximum(v, 0)]
+    on = (nodes_k >= 0) & (v >= 0)
+    sums = jnp.cumsum(jnp.where(jnp.arange(depth) > 0, gain[jnp.maximum(nodes_k, 0)], 0.0))
+    floor = jnp.concatenate([jnp.full((2,), -jnp.log(a)), sums[1:-1]])[:depth]  # M_k
+    weights = jnp.minimum(1.0, jnp.exp(sums - jax.lax.cummax(floor, axis=0)))
+    at = jnp.where(on, d + jnp.arange(depth), depth + 1)  # past the stack: dropped
+    w = w.at[at].set(weights, mode="drop")
+    fresh = fresh.at[at].set(True, mode="drop")
+    row_at = row_at.at[at].set(nodes_k + 1, mode="drop")
+    return w, fresh, row_at
+
+  def read(dist, fresh, row_at, d):
+    """The current distribution of the live node at depth d."""
+    return jnp.where(fresh[d], ps[row_at[d]], dist[d])
 
   def step(e, c):
-    # Only the nodes between the root and the current node are live (entered, not yet
-    # tested), one per depth, so their weights and distributions are a stack indexed by
-    # depth (0 = the root): a carry of [depth + 1, V], not [N + 1, V], which XLA:CPU
-    # copies every step. Row u's q minus its children tried so far is rebuilt from
-    # `gone` (bool[N]) for the same reason.
-    w, dist, out, gone, final, tried, taken, chance = c
-    node, enter = events[e, 0], events[e, 1] == 1
-    row, u = node + 1, parents[node]
-    d = depths[node]  # the node's level in the stack; its parent's is d - 1
-    x = node_tokens[node]
-    out_kids = is_kid[u] & gone[kids[u]]
-    left_u = left0[u].at[node_tokens[kids[u]]].multiply(jnp.where(out_kids, 0.0, 1.0))
-    qc = child_q(left_u, x)
-    dist_u, w_u, w_v = dist[d - 1], w[d - 1], w[d]
+    # One step per test, in post-order. Only the nodes from the root to the one tested
+    # are live (entered, not yet tested), one per depth: their weights and distributions
+    # are a stack indexed by depth, [depth + 1, V] (a node's row is its ps row until a
+    # child of it is rejected: `fresh`), because XLA:CPU copies a carried array it reads
+    # and updates every step. What is left of a node's q after its tried children is
+    # rebuilt from `gone` (bool[N]) for the same reason. The enters between two tests
+    # are scalars: a weight from the parent's weight and its p and q at the child.
+    w, dist, fresh, row_at, gone, final, tried, taken, chance = c
+    node = order[e]
+    row, u, d = node + 1, parents[node], depths[node]
+    x = x_all[node]
     live = final < 0
-    # enter: the child's weight from its parent's current weight and distribution.
-    w_in = jnp.minimum(1.0, w_u * dist_u[x] / jnp.maximum(qc[x], 1e-30))
-    # test: accepted with probability w_v; else the parent is updated.
-    testing = live & ~enter
+    w_u, w_v = w[d - 1], w[d]
+    dist_u = read(dist, fresh, row_at, d - 1)
+    out_kids = is_kid[u] & gone[kids[u]]
+    left_u = left0[u].at[x_all[kids[u]]].multiply(jnp.where(out_kids, 0.0, 1.0))
+    if deterministic:
+      qc = jax.nn.one_hot(x, vocab, dtype=ps.dtype)
+    else:
+      mass = jnp.sum(left_u)
+      qc = jnp.where(mass > 0, left_u / jnp.where(mass > 0, mass, 1.0),
+                     jax.nn.one_hot(x, vocab, dtype=ps.dtype))
+    # Accepted with probability w_v; else the parent is updated.
     accept = uniforms[node] < w_v
-    rejected = testing & ~accept
+    rejected = live & ~accept
     r = jnp.maximum(w_u * dist_u - qc, 0.0)
     total = jnp.sum(r)
-    w_out = total / jnp.maximum(total + 1.0 - w_u, 1e-30)
-    out = jnp.where(testing & accept, dist[d], out)
+    w_out = jnp.where(u == 0, 1.0, total / jnp.maximum(total + 1.0 - w_u, 1e-30))
     if update_parent:
-      new_u = jnp.where(rejected & (total > 0), r / jnp.maximum(total, 1e-30), dist_u)
-      w = w.at[d - 1].set(jnp.where(rejected, jnp.where(u == 0, 1.0, w_out), w_u))
-    else:
-      new_u = dist_u
-    # One row written a step: the entered node's p, or its parent's residual.
-    dist = dist.at[jnp.where(enter, d, d - 1)].set(jnp.where(enter, ps[row], new_u))
+      new_u = jnp.where(total > 0, r / jnp.maximum(total, 1e-30), dist_u)
+      dist = dist.at[d - 1].set(jnp.where(rejected, new_u, dist[d - 1]))
+      fresh = fresh.at[d - 1].set(fresh[d - 1] & ~rejected)
+      w = w.at[d - 1].set(jnp.where(rejected, w_out, w_u))
+      w_u, dist_u = jnp.where(rejected, w_out, w_u), jnp.where(rejected, new_u, dist_u)
     gone = gone.at[node].set(gone[node] | rejected)
-    w = w.at[d].set(jnp.where(live & enter, w_in, w[d]))
     rank = ranks[node]
-    tried = tried.at[rank].add(testing.astype(jnp.int32))
-    chance = chance.at[rank].add(jnp.where(testing, w_v, 0.0))
-    final = jnp.where(testing & accept, row, final)
-    return w, dist, out, gone, final, tried, taken, chance
+    tried = tried.at[rank].add(live.astype(jnp.int32))
+    chance = chance.at[rank].add(jnp.where(live, w_v, 0.0))
+    final = jnp.where(live & accept, row, final)
+    # Rejected: enter the next sibling (drawn from what is left of q) and its first
+    # descendants, which the next steps test.
+    r_next = jnp.minimum(rank + 1, width - 1)
+    sib = jnp.where((rank + 1 < width) & rejected, children[u, r_next], -1)
+    x_s = x_all[jnp.maximum(sib, 0)]
+    left_next = left_u.at[x].set(0.0)
+    q_s = q_at(left_next[x_s], jnp.sum(left_next))
+    w_s = jnp.minimum(1.0, w_u * dist_u[x_s] / jnp.maximum(q_s, 1e-30))
+    w, fresh, row_at = descend(sib, d, w_s, w, fresh, row_at)
+    return w, dist, fresh, row_at, gone, final, tried, taken, chance
 
-  stack = jnp.zeros((tree.depth + 1, vocab), ps.dtype).at[0].set(ps[0])
-  init = (jnp.ones((tree.depth + 1,), ps.dtype), stack, jnp.zeros((vocab,), ps.dtype),
-          jnp.zeros((tree.num_nodes,), bool), jnp.int32(-1),
+  w0 = jnp.ones((depth + 1,), ps.dtype)
+  fresh0 = jnp.zeros((depth + 1,), bool).at[0].set(True)
+  row_at0 = jnp.zeros((depth + 1,), jnp.int32)
+  # The root's first child and its first descendants are entered before the first test.
+  v0 = children[0, 0]
+  a0 = jnp.minimum(1.0, fresh_p[v0] / jnp.maximum(fresh_q[v0], 1e-30))
+  w0, fresh0, row_at0 = descend(v0, 1, a0, w0, fresh0, row_at0)
+  init = (w0, jnp.zeros((depth + 1, vocab), ps.dtype), fresh0, row_at0,
+          jnp.zeros((nodes,), bool), jnp.int32(-1),
           jnp.zeros((width,), jnp.int32), jnp.zeros((width,), jnp.int32),
           jnp.zeros((width,), jnp.float32))
-  w, dist, out, _, final, tried, taken, chance = jax.lax.fori_loop(
-      0, 2 * tree.num_nodes, step, init, unroll=unroll)
-  # Every child rejected: the root (w = 1) emits from what is left of its p.
-  next_token = sample(keys[-1], jnp.where(final < 0, dist[0], out))
+  if unroll or jax.default_backend() != "cpu":
+    carry = jax.lax.fori_loop(0, nodes, step, init, unroll=unroll)
+  else:
+    # On a CPU: stop at the first accepted node, as nothing changes after it (a while
+    # loop's test is free there; on an accelerator it would wait on the host).
+    carry = jax.lax.while_loop(lambda c: (c[0] < nodes) & (c[1][5] < 0),
+                               lambda c: (c[0] + 1, step(c[0], c[1])), (0, init))[1]
+  w, dist, fresh, row_at, _, final, tried, taken, chance = carry
+  # Nothing changes once a node is accepted, so its depth's row is its distribution;
+  # every child rejected: the root (w = 1) emits from what is left of its p.
+  last = jnp.where(final < 0, 0, depths[jnp.maximum(final - 1, 0)])
+  next_token = sample(keys[-1], read(dist, fresh, row_at, last))
   final = jnp.maximum(final, 0)
   path = paths[final]
   on_path = path >= 0
@@ -194,7 +261,7 @@ def walk(key, node_tokens, node_q, ps, tree: Tree, deterministic: bool, unroll=N
   taken = taken.at[ranks[jnp.maximum(path, 0)]].add(on_path.astype(jnp.int32))
   # The path's rows by depth (root first); overlap as the node walk defines it.
   rows = jnp.concatenate([jnp.zeros((1,), jnp.int32), path[:-1] + 1])
-  alive = jnp.arange(tree.depth) <= n_accepted
+  alive = jnp.arange(depth) <= n_accepted
   alive = alive & jnp.concatenate([jnp.ones((1,), bool), on_path[:-1]]) & has_children[rows]
   overlap = jnp.where(alive, jnp.sum(jnp.minimum(ps[rows], left0[rows]), axis=-1), 0.0)
   return n_accepted, next_token, overlap.astype(jnp.float32), path, (tried, taken, chance)
