@@ -119,8 +119,8 @@ def make_drafter(target: Model, draft: Model | None, drafter: str | None, gamma:
       raise ValueError(f"drafter={drafter!r} needs draft=<a {drafter} head> (e.g. "
                        f"load_pretrained('stdlib-{drafter}')), got {got}")
     if isinstance(tree, trees.DynamicTree) and drafter == "medusa":
-      raise ValueError(f"a DynamicTree needs drafter='model', 'eagle' or 'eagle3'; the {drafter} head "
-                       "drafts static trees or chains")
+      raise ValueError(f"a DynamicTree needs drafter='model', 'eagle', 'eagle3' or 'ngram'; "
+                       f"the {drafter} head drafts static trees or chains")
     if draft_sample not in DRAFT_SAMPLE_MODES:
       raise ValueError(f"draft_sample must be one of {DRAFT_SAMPLE_MODES}, "
                        f"got {draft_sample!r}")
@@ -149,9 +149,10 @@ def make_drafter(target: Model, draft: Model | None, drafter: str | None, gamma:
     if ngram_max > max_len:  # no longer n-gram fits the context (each size is traced)
       raise ValueError(f"ngram_max {ngram_max} is longer than the target's context "
                        f"max_len={max_len}")
-    if isinstance(tree, trees.DynamicTree):
-      raise ValueError("a DynamicTree needs drafter='model' or 'eagle'; prompt lookup "
-                       "drafts static trees (tree=(2, 2, 1)) or chains")
+    if isinstance(tree, trees.DynamicTree):  # the matches' trie, its best paths kept
+      return tree_drafters.DynamicNgramTreeDrafter(
+          vocab_size=target.config.vocab_size, gamma=gamma, min_n=int(ngram_min),
+          max_n=int(ngram_max), tree=tree)
     if tree is not None:  # several earlier matches: distinct continuations as a tree
       return tree_drafters.NgramTreeDrafter(vocab_size=target.config.vocab_size, gamma=gamma,
                                     min_n=int(ngram_min), max_n=int(ngram_max), tree=tree)

@@ -207,6 +207,29 @@ class StructureTest(parameterized.TestCase):
             k = k[:w.shape[0]]
           np.testing.assert_array_equal(k, w)
 
+  def test_ngram_tree_keeps_the_most_shared_paths(self):
+    """Prompt lookup's dynamic tree: after '9 1 2' the context went on 3 5 (three times),
+    3 6 and, most recently, 4 7. The root's children are ordered by how many matches
+    continue with them (3 before 4) and the one node of depth 2 goes to the path most
+    matches share (3 5), where the static (2, 1) tree would put it under the first child
+    whatever the counts below."""
+    dtree = trees.DynamicTree(3, 2, 2, level_sizes=(2, 1))
+    drafter = tree_drafters.DynamicNgramTreeDrafter(vocab_size=16, gamma=2, min_n=1, max_n=3,
+                                                    tree=dtree)
+    ctx = [9, 1, 2, 3, 5] * 3 + [9, 1, 2, 3, 6, 9, 1, 2, 4, 7, 9, 1, 2]
+    tokens = jnp.array([ctx + [0] * 4, [9, 1, 2, 4, 7, 9, 1, 2, 3, 5, 9, 1, 2] + [0] * 19])
+    n = jnp.array([len(ctx), 13])
+    y, q, state = drafter.propose(None, drafter.init(2, 32), tokens, n, None, None)
+    np.testing.assert_array_equal(y, [[3, 4, 5], [3, 4, 5]])
+    np.testing.assert_array_equal(state.parents, [[-1, -1, 0], [-1, -1, 0]])
+    np.testing.assert_array_equal(q, jax.nn.one_hot(y, 16))
+    # One match each: the more recent first; its path keeps the depth-2 node.
+    tokens = jnp.array([[9, 1, 2, 3, 5, 9, 1, 2, 4, 7, 9, 1, 2] + [0] * 19])
+    y, _, state = drafter.propose(None, drafter.init(1, 32), tokens, jnp.array([13]), None,
+                                  None)
+    np.testing.assert_array_equal(y, [[4, 3, 7]])
+    np.testing.assert_array_equal(state.parents, [[-1, -1, 0]])
+
   def test_level_sizes(self):
     self.assertEqual(trees.DynamicTree(14, 4, 4).level_sizes, (4, 4, 3, 3))
     self.assertEqual(trees.DynamicTree(14, 4, 2).level_sizes, (2, 4, 4, 4))
@@ -258,6 +281,24 @@ class EngineLawTest(parameterized.TestCase):
     self.assertEqual(sum(res.stats["sibling_accepted"]), res.stats["accepted"])
 
 
+class NgramLawTest(parameterized.TestCase):
+
+  @parameterized.parameters("exact", "traversal")
+  def test_three_token_law(self, rule):
+    """Prompt lookup's dynamic tree (fixed-token children, the point-mass walk) at T = 1:
+    the law of 3-token continuations, walked either way."""
+    target, _ = target_and_draft()
+    prompt = [3, 1, 3, 1, 2, 3, 1]
+    res = specjax.generate(target, [prompt] * LAW_ROWS, max_new_tokens=3, drafter="ngram",
+                           tree=specjax.DynamicTree(6, 3, 2), temperature=1.0, seed=4,
+                           verify_rule=rule)
+    ok, worst = within_law(res.tokens, filtered_law(target, prompt, 3, 1.0, 0, 1.0))
+    self.assertTrue(ok, f"worst z={worst}")
+    self.assertLess(res.stats["acceptance_rate"], 0.95)
+    self.assertGreater(res.stats["rounds"], LAW_ROWS)
+    self.assertGreater(res.stats["accepted"], 0)
+
+
 class PenaltiesTest(parameterized.TestCase):
 
   @parameterized.parameters("model", "eagle")
@@ -282,20 +323,24 @@ class PenaltiesTest(parameterized.TestCase):
 class GreedyTest(parameterized.TestCase):
 
   @parameterized.parameters(((8, 3, 3), "greedy", "exact"), ((14, 4, 4), "probabilistic", "exact"),
-                            ((8, 3, 3), "greedy", "traversal"))
+                            ((8, 3, 3), "greedy", "traversal"), ((8, 3, 3), "ngram", "exact"),
+                            ((8, 3, 3), "ngram", "traversal"))
   def test_equals_target_greedy(self, shape, mode, rule):
     target = tiny_model(vocab=16, n_layers=2, seed=3, sharpness=1.5)
-    draft = tiny_model(vocab=16, d_model=16, seed=8, sharpness=1.5)
-    prompts = [[1, 2, 3, 1, 2, 4, 1, 2], [4, 5, 6, 7, 0, 1, 2, 3, 4], [7]]
+    if mode == "ngram":
+      kw = dict(drafter="ngram")
+    else:
+      kw = dict(draft=tiny_model(vocab=16, d_model=16, seed=8, sharpness=1.5),
+                draft_sample=mode)
+    prompts = [[1, 2, 3, 1, 2, 4, 1, 2, 3, 1, 2], [4, 5, 6, 7, 0, 1, 2, 3, 4], [7]]
     tree = specjax.DynamicTree(*shape) if mode == "probabilistic" else ("dynamic", *shape)
-    res = specjax.generate(target, prompts, max_new_tokens=12, draft=draft, tree=tree,
-                           draft_sample=mode, verify_rule=rule)  # ('dynamic', ...): configs'
+    res = specjax.generate(target, prompts, max_new_tokens=12, tree=tree, verify_rule=rule,
+                           **kw)  # ('dynamic', ...): the configs' spelling
     for prompt, out in zip(prompts, res.tokens):
       self.assertEqual(out, greedy_oracle(target, prompt, 12))
     self.assertGreater(res.stats["accepted"], 0)
     if rule == "traversal":  # at T = 0 both walks accept the path matching the argmax
-      node = specjax.generate(target, prompts, max_new_tokens=12, draft=draft, tree=tree,
-                              draft_sample=mode)
+      node = specjax.generate(target, prompts, max_new_tokens=12, tree=tree, **kw)
       for key in ("accepted", "rounds"):
         self.assertEqual(res.stats[key], node.stats[key], key)
 
@@ -306,8 +351,7 @@ class BadInputTest(parameterized.TestCase):
     target, draft = target_and_draft()
     tree = specjax.DynamicTree(4, 2, 2)
     from test_heads import random_head
-    for kw, msg in [(dict(drafter="ngram"), "needs drafter='model'"),
-                    (dict(draft=random_head(target, "medusa")), "needs drafter='model'"),
+    for kw, msg in [(dict(draft=random_head(target, "medusa")), "needs drafter='model'"),
                     (dict(draft=draft, verify_rule="block"), "exact rule only or"),
                     (dict(draft=draft, gamma=3), "depth 2 but gamma=3")]:
       with self.assertRaisesRegex(ValueError, msg):

@@ -5,8 +5,9 @@
 confidence: `trees.DynamicTree`), `TreeEagleDrafter` (the EAGLE head, static or
 dynamic trees, each node conditioned on its parent's predicted feature), `NgramTreeDrafter`
 (prompt lookup: distinct continuations of several earlier matches, as a trie cut to the
-tree's shape) and `TreeMedusaDrafter` (Medusa heads: head d drafts every node at depth
-d, in one head pass). Sampled children are drawn without replacement
+tree's shape; `DynamicNgramTreeDrafter` keeps its most shared paths) and
+`TreeMedusaDrafter` (Medusa heads: head d drafts every node at depth d, in one head
+pass). Sampled children are drawn without replacement
 (`sample_distinct`), so siblings never repeat a token and the walk
 (`specjax.verify.tree`) stays exact.
 """
@@ -463,6 +464,83 @@ class NgramTreeDrafter(NgramDrafter):
 
   def rollback(self, state, n, features=None, start=None, path=None):
     return state
+
+
+@flax.struct.dataclass
+class NgramTreeState:
+  """A dynamic n-gram tree's state: the parents of the round's nodes (int32[B, N])."""
+  parents: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicNgramTreeDrafter(NgramTreeDrafter):
+  """Prompt lookup growing a `DynamicTree`: the same trie of the best matches'
+  continuations, a node's children ordered by how many matches continue with them (ties:
+  the better match), and depth d keeps the level size's best (frontier node, child rank)
+  pairs by the log share of the matches that agree with the whole path (a child that s of
+  its parent's m agreeing matches continue with adds log(s / m)). So the tree spends its
+  nodes where the context repeats itself most. Children are fixed tokens, as in the static
+  n-gram tree, so the point-mass walk is exact whatever is kept."""
+
+  tree: DynamicTree | None = None
+
+  def init(self, batch, size):
+    return NgramTreeState(parents=jnp.full((batch, self.tree.num_nodes), -1, jnp.int32))
+
+  def prefill(self, params, state, tokens, n, features=None):
+    return state
+
+  def _grow_row(self, tokens, n):
+    """(node tokens [N], parents [N]) of one row."""
+    tree = self.tree
+    score = self._scores(tokens, n)
+    m = min(self.candidates, tokens.shape[0])
+    score, start = jax.lax.top_k(score, m)
+    period = jnp.maximum(n - start, 1)
+    cont = jnp.take(tokens, start[:, None] + jnp.arange(tree.depth)[None, :]
+                    % period[:, None], mode="clip")  # [m, depth]
+    member = (score >= 0)[None, :]  # [F, m]
+    front_tokens = jnp.take(tokens, n - 1, mode="clip")[None]
+    path_score = jnp.zeros((1,), jnp.float32)
+    ids = jnp.full((1,), -1, jnp.int32)
+    earlier = np.tril(np.ones((m, m), bool), -1).T  # [c', c]: c' ranks before c
+    out, parents = [], []
+    for d, (first, count) in enumerate(tree.levels):
+      k = min(tree.topk, count)
+      nxt = cont[:, d]
+      same = nxt[:, None] == nxt[None, :]  # [c', c]
+      dup = (member.astype(jnp.int32) @ (same & earlier).astype(jnp.int32)) > 0
+      opens = member & ~dup  # [F, m]: a candidate opening a child of its frontier node
+      support = member.astype(jnp.int32) @ same.astype(jnp.int32)  # [F, m]
+      # Children by support, most first (ties: the better match), so a node's best
+      # children are its first ranks, as the rerank expects.
+      ahead = (support[:, :, None] > support[:, None, :]) | (
+          (support[:, :, None] == support[:, None, :]) & earlier[None])  # [F, c', c]
+      rank = jnp.sum(opens[:, :, None] & ahead, axis=1)
+      rank = jnp.where(opens, rank, m)
+      pick = opens[:, None, :] & (rank[:, None, :] == jnp.arange(k)[None, :, None])  # [F, k, m]
+      found = jnp.any(pick, axis=2)  # [F, k]
+      which = jnp.argmax(pick, axis=2)
+      ys = jnp.where(found, nxt[which], front_tokens[:, None])  # [F, k]
+      share = jnp.take_along_axis(support, which, axis=1) / jnp.maximum(
+          jnp.sum(member, axis=1, keepdims=True), 1)
+      cand_score = path_score[:, None] + jnp.where(found, jnp.log(share), -jnp.inf)
+      f = cand_score.shape[0]
+      idx = best_candidates(cand_score.reshape(1, f * k), count)[0]  # [count]
+      col, r = idx // k, idx % k
+      kept = ys[col, r]
+      out.append(kept)
+      parents.append(ids[col])
+      member = member[col] & found[col, r][:, None] & (nxt[None, :] == kept[:, None])
+      path_score = cand_score[col, r]
+      front_tokens = kept
+      ids = first + jnp.arange(count, dtype=jnp.int32)
+    return jnp.concatenate(out), jnp.concatenate(parents)
+
+  def propose(self, params, state, tokens, n, key, sampling):
+    y, parents = jax.vmap(self._grow_row)(tokens, n)
+    y = y.astype(jnp.int32)
+    return y, jax.nn.one_hot(y, self.vocab_size, dtype=jnp.float32), NgramTreeState(parents)
 
 
 @dataclasses.dataclass(frozen=True)
