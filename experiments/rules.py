@@ -69,7 +69,9 @@ def counted(target, prompts, kw: dict, rules: tuple[str, str], seeds: int = 1) -
   its standard error, and method − baseline with the error of the difference. One seed:
   the errors from the committed-per-round histogram, which treats rounds as independent
   (they are not: a row's rounds share its text); more: the mean over seeds, and the
-  errors from the seeds' spread (the gain's from its per-seed differences)."""
+  errors from the seeds' spread (the gain's from its per-seed differences), which are
+  conditional on this prompt set (its prompt-to-prompt variance is not in them) and
+  rough with few seeds."""
   base, method = rules
   runs = {rule: [common.per_call(specjax.generate(target, prompts, seed=seed,
                                                   verify_rule=rule, **kw).stats)
@@ -92,6 +94,8 @@ def counted(target, prompts, kw: dict, rules: tuple[str, str], seeds: int = 1) -
 def main(argv):
   del argv
   rows = []
+  if _SEEDS.value < 1:
+    raise app.UsageError(f"--count_seeds must be >= 1, got {_SEEDS.value}")
   tree = None
   if _TREE.value:
     dynamic = _TREE.value[0] == "dynamic"

@@ -216,17 +216,23 @@ class ExactLawTest(parameterized.TestCase):
 class WalkTest(parameterized.TestCase):
   """The compiled walk (`traversal.walk`) against the float64 reference it follows."""
 
-  @parameterized.parameters(*itertools.product(((2, 2), (3, 1), (2, 1, 1)), ("sampled", "topk")))
-  def test_outcome_frequencies_are_the_references(self, branching, mode):
-    """On one draft tree, the frequencies of (accepted path, next token) over 20,000 keys
+  @parameterized.parameters(*[(b, m, s) for b in ((2, 2), (3, 1), (2, 1, 1))
+                               for m, s in (("sampled", 3), ("sampled", 2), ("topk", 3))])
+  def test_outcome_frequencies_are_the_references(self, branching, mode, support):
+    """On draft trees of q with full support or of 2 tokens (then a third sibling is a
+    fixed token past it), the frequencies of (accepted path, next token) over 20,000 keys
     are `traversal_outcomes`' probabilities (within 5 sd + 1 count), rolled (a while loop
     on the CPU) and unrolled alike, with the same outcomes key by key."""
     tree = trees.Tree.from_branching(branching)
-    rng = np.random.default_rng(sum(branching) + (mode == "topk"))
+    rng = np.random.default_rng(sum(branching) + (mode == "topk") + 10 * support)
     vocab = 3
-    p, q = _models(rng, vocab, tree.depth, vocab)
+    p, q = _models(rng, vocab, tree.depth, support)
     drafts = _draft_trees(tree, q, mode, [2, 0, 1])
-    tokens, _ = drafts[len(drafts) // 2]
+    for i in sorted({len(drafts) // 2, len(drafts) - 1}):  # two drafts where there are two
+      self._check_one(tree, mode, p, q, drafts[i][0])
+
+  def _check_one(self, tree, mode, p, q, tokens):
+    vocab = len(p[()])
     pre = [()] * (tree.num_nodes + 1)
     for i, par in enumerate(tree.parents):
       pre[i + 1] = pre[par + 1] + (tokens[i],)

@@ -125,13 +125,16 @@ class Backend:
 
   def reads_valid_blocks(self, cache, mask) -> bool:
     """Whether this cached attention runs `cache_attention` (`Options.decode_kernel`):
-    a buffer the kernel can split, no per-slot mask, rows not split over a mesh."""
+    a buffer the kernel can split, a head size Triton tiles, no per-slot mask, rows not
+    split over a mesh."""
     if not self.options.decode_kernel or cache is None or self.whole_rows:
       return False
     if jax.default_backend() == "tpu":
       raise ValueError("Options(decode_kernel=True) runs jax's Pallas GPU decode kernel: "
                        "on a TPU leave it off")
-    return (mask is None or mask[1] is None) and pallas.splits(cache[0].shape[2]) is not None
+    k_buf = cache[0]
+    return ((mask is None or mask[1] is None) and pallas.splits(k_buf.shape[2]) is not None
+            and pallas.fits_head(k_buf.shape[3]))
 
   def cache_attention(self, qg, k_buf, v_buf, length):
     """`pallas.cache_attention` on this platform (interpreted but on a GPU)."""

@@ -33,10 +33,17 @@ def splits(size: int):
   return None
 
 
+def fits_head(head_dim: int) -> bool:
+  """Whether Triton tiles a head of this size (its products need >= 16, its loads a power
+  of 2); other models keep XLA's attention."""
+  return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
 def cache_attention(qg, k_buf, v_buf, length, interpret: bool):
   """qg [B, T, KVH, G, D], scaled queries; k_buf, v_buf [B, KVH, S, D]; length int32[B]:
   every query against row b's first length[b] slots, as flash attention leaves it:
-  (o float32[B, T, KVH, G, D] = Σ_s e^(score_s - m) v_s, l [B, T, KVH, G] = Σ_s e^(score_s
+  (o [B, T, KVH, G, D] = Σ_s e^(score_s - m) v_s (summed in the cache's dtype by the
+  kernel, then cast to float32), l [B, T, KVH, G] = Σ_s e^(score_s
   - m), m, the running maximum; a row with no history gives l = 0 and m far below any
   score)."""
   from jax.experimental.pallas.ops.gpu import decode_attention  # imported where used

@@ -427,16 +427,23 @@ class NgramTreeDrafter(NgramDrafter):
   def sizes_drafts(self) -> bool:  # a tree has a fixed shape
     return False
 
-  def _propose_row(self, tokens, n):
-    tree = self.tree
+  def _candidates(self, tokens, n):
+    """The best matches' continuations int32[m, depth] (best first), which of them are
+    real matches bool[m], and the root's token (the last committed one)."""
     score = self._scores(tokens, n)  # [S]
     m = min(self.candidates, tokens.shape[0])
     score, start = jax.lax.top_k(score, m)  # the m best matches, best first
     period = jnp.maximum(n - start, 1)
-    cont = jnp.take(tokens, start[:, None] + jnp.arange(tree.depth)[None, :]
+    cont = jnp.take(tokens, start[:, None] + jnp.arange(self.tree.depth)[None, :]
                     % period[:, None], mode="clip")  # [m, depth]
-    member = (score >= 0)[None, :]  # [F, m]: candidates agreeing with each frontier path
-    front_tokens = jnp.take(tokens, n - 1, mode="clip")[None]  # [F]: the root's token
+    return cont, score >= 0, jnp.take(tokens, n - 1, mode="clip")
+
+  def _propose_row(self, tokens, n):
+    tree = self.tree
+    cont, valid, root = self._candidates(tokens, n)
+    m = cont.shape[0]
+    member = valid[None, :]  # [F, m]: candidates agreeing with each frontier path
+    front_tokens = root[None]  # [F]: the root's token
     earlier = np.tril(np.ones((m, m), bool), -1).T  # [c', c]: c' ranks before c
     frontier_nodes = [-1]
     out = []
@@ -487,20 +494,13 @@ class DynamicNgramTreeDrafter(NgramTreeDrafter):
   def init(self, batch, size):
     return NgramTreeState(parents=jnp.full((batch, self.tree.num_nodes), -1, jnp.int32))
 
-  def prefill(self, params, state, tokens, n, features=None):
-    return state
-
   def _grow_row(self, tokens, n):
     """(node tokens [N], parents [N]) of one row."""
     tree = self.tree
-    score = self._scores(tokens, n)
-    m = min(self.candidates, tokens.shape[0])
-    score, start = jax.lax.top_k(score, m)
-    period = jnp.maximum(n - start, 1)
-    cont = jnp.take(tokens, start[:, None] + jnp.arange(tree.depth)[None, :]
-                    % period[:, None], mode="clip")  # [m, depth]
-    member = (score >= 0)[None, :]  # [F, m]
-    front_tokens = jnp.take(tokens, n - 1, mode="clip")[None]
+    cont, valid, root = self._candidates(tokens, n)
+    m = cont.shape[0]
+    member = valid[None, :]  # [F, m]
+    front_tokens = root[None]
     path_score = jnp.zeros((1,), jnp.float32)
     ids = jnp.full((1,), -1, jnp.int32)
     earlier = np.tril(np.ones((m, m), bool), -1).T  # [c', c]: c' ranks before c

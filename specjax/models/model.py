@@ -122,16 +122,14 @@ class Attention(nnx.Module):
     if cache is None:
       return self.out(attend(q, k, v, mask=mask)), None
     if read_cache and backend.reads_valid_blocks(cache, mask):  # each row's history only
-      k_buf, v_buf, length = cache
       out = attend_in_parts(q, k, v, cache, mask, backend.cache_attention)
-      k_buf, v_buf = kv_cache.write(k_buf, k, length), kv_cache.write(v_buf, v, length)
-      return self.out(out), (k_buf, v_buf)
-    if read_cache and backend.writes_first:  # one masked attention over the buffers
+    elif read_cache and backend.writes_first:  # one masked attention over the buffers
       k_buf, v_buf, length = cache
       k_buf, v_buf = kv_cache.write(k_buf, k, length), kv_cache.write(v_buf, v, length)
       return self.out(attend_written(q, k_buf, v_buf, length, mask)), (k_buf, v_buf)
-    out = backend.attend(attend, q, k, v, cache if read_cache else None, mask,
-                         laid_out=backend.laid_out(self.qkv.kernel[...]))
+    else:
+      out = backend.attend(attend, q, k, v, cache if read_cache else None, mask,
+                           laid_out=backend.laid_out(self.qkv.kernel[...]))
     k_buf, v_buf, length = cache
     # The write depends on the attention output, so XLA must read the old buffers first
     # and may then update them in place; otherwise it copies both caches every step.

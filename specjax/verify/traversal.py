@@ -136,7 +136,6 @@ def walk(key, node_tokens, node_q, ps, tree: Tree, deterministic: bool, unroll=N
   mass0 = jnp.sum(left0, axis=-1)
   kids = jnp.maximum(children, 0)  # [N+1, K]
   is_kid = children >= 0
-  x_all = node_tokens
 
   def q_at(left_x, mass):
     """q(x) of a child drawn from what is left of its parent's q (a point mass where
@@ -147,8 +146,8 @@ def walk(key, node_tokens, node_q, ps, tree: Tree, deterministic: bool, unroll=N
 
   # A first child's q(x) and its parent's p(x) when the parent has just been entered
   # (nothing tried below it yet): scalars, per node.
-  fresh_p = ps[parents, x_all]
-  fresh_q = q_at(left0[parents, x_all], mass0[parents])
+  fresh_p = ps[parents, node_tokens]
+  fresh_q = q_at(left0[parents, node_tokens], mass0[parents])
 
   # chain[v]: v, its first child, that one's first child, ... (-1 past a leaf): the nodes
   # entered, in one go, after v's previous sibling is rejected.
@@ -191,12 +190,12 @@ def walk(key, node_tokens, node_q, ps, tree: Tree, deterministic: bool, unroll=N
     w, dist, fresh, row_at, gone, final, tried, taken, chance = c
     node = order[e]
     row, u, d = node + 1, parents[node], depths[node]
-    x = x_all[node]
+    x = node_tokens[node]
     live = final < 0
     w_u, w_v = w[d - 1], w[d]
     dist_u = read(dist, fresh, row_at, d - 1)
     out_kids = is_kid[u] & gone[kids[u]]
-    left_u = left0[u].at[x_all[kids[u]]].multiply(jnp.where(out_kids, 0.0, 1.0))
+    left_u = left0[u].at[node_tokens[kids[u]]].multiply(jnp.where(out_kids, 0.0, 1.0))
     if deterministic:
       qc = jax.nn.one_hot(x, vocab, dtype=ps.dtype)
     else:
@@ -224,7 +223,7 @@ def walk(key, node_tokens, node_q, ps, tree: Tree, deterministic: bool, unroll=N
     # descendants, which the next steps test.
     r_next = jnp.minimum(rank + 1, width - 1)
     sib = jnp.where((rank + 1 < width) & rejected, children[u, r_next], -1)
-    x_s = x_all[jnp.maximum(sib, 0)]
+    x_s = node_tokens[jnp.maximum(sib, 0)]
     left_next = left_u.at[x].set(0.0)
     q_s = q_at(left_next[x_s], jnp.sum(left_next))
     w_s = jnp.minimum(1.0, w_u * dist_u[x_s] / jnp.maximum(q_s, 1e-30))
