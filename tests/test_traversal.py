@@ -74,7 +74,7 @@ def _child_q(left, x, mode):
   return left / left.sum()
 
 
-def traversal_outcomes(tree, tokens, p, q, mode, update_parent=True):
+def traversal_outcomes(tree, tokens, p, q, mode, update_parent=True, keep_tried=False):
   """float64: every (probability, accepted path of nodes, next-token law) of the
   traversal rule on one draft tree, following verify.traversal's events."""
   events, paths = traversal.schedule(tree)
@@ -98,7 +98,8 @@ def traversal_outcomes(tree, tokens, p, q, mode, update_parent=True):
       r = np.maximum(w[u] * dist[u] - qc, 0.0)
       w[u] = 1.0 if u == 0 else r.sum() / (r.sum() + 1 - w[u])
       dist[u] = r / r.sum() if r.sum() > 0 else dist[u]
-    left[u] = left[u] * (1 - np.eye(len(left[u]))[x])
+    if not keep_tried:  # keep_tried: a wrong variant, later siblings' q keeps x
+      left[u] = left[u] * (1 - np.eye(len(left[u]))[x])
   out.append((reach, [], dist[0].copy()))
   return out
 
@@ -231,18 +232,41 @@ class WalkTest(parameterized.TestCase):
     for i in sorted({len(drafts) // 2, len(drafts) - 1}):  # two drafts where there are two
       self._check_one(tree, mode, p, q, drafts[i][0])
 
+  def test_later_siblings_draw_from_what_is_left(self):
+    """Inputs where a later sibling's weight is below 1 only if its q leaves out the
+    tokens tried before it: the walk follows the reference, and the reference with the
+    tried tokens kept in q (a wrong variant) is far from it."""
+    tree = trees.Tree.from_branching((3, 1))
+    p, q = _models(np.random.default_rng(7), 4, tree.depth, 4)
+    p[()], q[()] = np.array([0.05, 0.3, 0.3, 0.35]), np.array([0.7, 0.1, 0.1, 0.1])
+    tokens = [0, 1, 2] + [int(np.argmax(q[(x,)])) for x in (0, 1, 2)]
+    for mode in ("sampled", "topk"):  # top-k: q is a point mass, so only `sampled` moves
+      law = lambda keep: self._law(tree, tokens, p, q, mode, keep)
+      gap = max(abs(law(False).get(k, 0) - law(True).get(k, 0))
+                for k in law(False).keys() | law(True).keys())
+      if mode == "sampled":
+        self.assertGreater(gap, 0.05)  # > 10 sd of a frequency over 20,000 keys
+      else:
+        self.assertLess(gap, 1e-12)
+      self._check_one(tree, mode, p, q, tokens)
+
+  @staticmethod
+  def _law(tree, tokens, p, q, mode, keep_tried=False):
+    """{(accepted path, next token): probability} of the float64 reference."""
+    want = {}
+    for prob, path, nxt in traversal_outcomes(tree, tokens, p, q, mode, keep_tried=keep_tried):
+      for y in range(len(nxt)):
+        key = (tuple(path), y)
+        want[key] = want.get(key, 0.0) + prob * nxt[y]
+    return want
+
   def _check_one(self, tree, mode, p, q, tokens):
-    vocab = len(p[()])
     pre = [()] * (tree.num_nodes + 1)
     for i, par in enumerate(tree.parents):
       pre[i + 1] = pre[par + 1] + (tokens[i],)
     ps = np.stack([p[s] for s in pre]).astype(np.float32)
     node_q = np.stack([q[pre[par + 1]] for par in tree.parents]).astype(np.float32)
-    want = {}
-    for prob, path, nxt in traversal_outcomes(tree, tokens, p, q, mode):
-      for y in range(vocab):
-        key = (tuple(path), y)
-        want[key] = want.get(key, 0.0) + prob * nxt[y]
+    want = self._law(tree, tokens, p, q, mode)
     n = 20000
     keys = jax.random.split(jax.random.PRNGKey(0), n)
     args = (keys, jnp.broadcast_to(jnp.asarray(tokens, jnp.int32), (n, tree.num_nodes)),
