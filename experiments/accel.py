@@ -16,7 +16,8 @@ it finished), then <out>/summary.md:
    rule (acceptance α^(i+1) whatever the weights): paired speedup against α and γ, with the
    ledger's prediction from c and v(γ) measured on the device.
 5. roofline (not in the default stages; `--stages=machine,roofline [--peer]`): on the
-   same random-weight Llama shapes, batch 1 and 8, 512- and 4,096-token contexts, the
+   same random-weight Llama shapes, batch 1 and 8, 512- and 4,096-token contexts (and
+   TinyLlama at 512 in a 4,096-slot buffer, where the decode kernel skips slots), the
    per-step time of a minimal decode (a fori_loop over the model's cached 1-token step and
    argmax, with a static and with a traced trip count), of `generate`'s program
    target-only at T = 0 and T = 1 and, with `--peer`, of transformers' static-cache
@@ -279,13 +280,16 @@ def run(out: Path, small: bool = False, budget_s: float = 420.0,
 # ----------------------------------------------------------------------------------
 # Roofline: the engine's decode step against a minimal loop on the same weights.
 
-# (shape, batch, context) in the order they run: the rows the accelerator goals are
-# stated on first, so a run cut by its budget keeps them.
+# (shape, batch, context[, buffer]) in the order they run: the rows the accelerator goals
+# are stated on first, so a run cut by its budget keeps them. buffer: the KV buffer's
+# slots where it is longer than the context needs (as in a call whose max_new_tokens is
+# far off), the case where the decode kernel skips what XLA's attention reads.
 ROOFLINE_GRID = (("tinyllama-1.1b", 1, 512), ("llama3-8b", 1, 512),
                  ("tinyllama-1.1b", 8, 512), ("llama3-8b", 8, 512),
+                 ("tinyllama-1.1b", 8, 512, 4096), ("tinyllama-1.1b", 1, 512, 4096),
                  ("tinyllama-1.1b", 1, 4096), ("llama3-8b", 1, 4096),
                  ("tinyllama-1.1b", 8, 4096), ("llama3-8b", 8, 4096))
-SMALL_ROOFLINE_GRID = (("tinyllama-1.1b", 1, 32), ("llama3-8b", 8, 64))
+SMALL_ROOFLINE_GRID = (("tinyllama-1.1b", 1, 32), ("llama3-8b", 8, 64), ("tinyllama-1.1b", 1, 32, 256))
 ROOFLINE_METHODS = ("minimal static", "minimal traced", "engine T=0", "engine T=1",
                     "engine T=0 decode kernel", "transformers static cache")
 
@@ -374,13 +378,16 @@ def _per_step(times_long, times_short, steps):
 
 def roofline_point(model, shape: str, batch: int, context: int, *, rounds=(16, 144),
                    repeats: int = 5, peer: bool = False, peer_compiled: bool = True,
-                   peak=None, copy=None, seed: int = 0, decode_kernel=None) -> dict:
+                   peak=None, copy=None, seed: int = 0, decode_kernel=None,
+                   buffer: int | None = None) -> dict:
   """One (shape, batch, context) row: per-step time of the minimal loop (static and
   traced trip count), the engine target-only at T = 0 and T = 1, with `decode_kernel`
   (None: on a GPU) the engine at T = 0 reading its cache through the Pallas decode kernel
   (`Options(decode_kernel=True)`; on a CPU interpreted, with XLA's products: a check that
   it runs, not a speed) and, with `peer`, transformers; each the median over `repeats`
-  interleaved passes of (long call - short call) / (its extra steps)."""
+  interleaved passes of (long call - short call) / (its extra steps). buffer: the KV
+  buffer's slots (a multiple of 64), every method's; None: what the context and the
+  rounds need. bytes_per_step counts the valid slots only."""
   r1, r2 = rounds
   if not (isinstance(r1, int) and isinstance(r2, int) and 0 < r1 < r2):
     raise ValueError(f"rounds must be ints 0 < short < long, got {rounds!r}")
@@ -389,15 +396,25 @@ def roofline_point(model, shape: str, batch: int, context: int, *, rounds=(16, 1
   if context + r2 + 1 > model.config.max_len:
     raise ValueError(f"context {context} + {r2} steps exceed the model's max_len "
                      f"{model.config.max_len}")
+  max_new = r2 + 1
+  if buffer is not None:
+    if not isinstance(buffer, int) or buffer % 64 or buffer < context + r2 + 64:
+      raise ValueError(f"buffer {buffer!r} must be a multiple of 64 with room for context "
+                       f"{context} + {r2} steps + 64")
+    if buffer > model.config.max_len:
+      raise ValueError(f"buffer {buffer} exceeds the model's max_len {model.config.max_len}")
+    max_new = buffer - context - 8  # prepare rounds the cache up to `buffer`
   prompts = np.random.RandomState(seed).randint(
       0, model.config.vocab_size, (batch, context)).astype(np.int32)
   runs, extra = {}, {}
   # Generate's program (prefill + rounds; round limit traced: one program for r1 and r2).
   cache_size, preps = None, {}
   for t in (0.0, 1.0):
-    p = prepare_lib.prepare(model, prompts.tolist(), max_new_tokens=r2 + 1, temperature=t,
+    p = prepare_lib.prepare(model, prompts.tolist(), max_new_tokens=max_new, temperature=t,
                             eos_id=None)
     cache_size = p.cache_size
+    if buffer is not None and cache_size != buffer:
+      raise AssertionError(f"prepare sized the cache {cache_size}, not the buffer {buffer}")
     preps[t] = p
     key = prepare_lib.seed_key(seed)
     runs[f"engine T={t:g}"] = (lambda p, key: lambda r: p.run(key, r).tokens)(p, key)
@@ -475,6 +492,7 @@ def roofline_point(model, shape: str, batch: int, context: int, *, rounds=(16, 1
   for row in methods.values():
     row["ratio_to_minimal"] = row["step_ms"] / minimal
   out = {"shape": shape, "batch": batch, "context": context, "cache_size": cache_size,
+         "buffer": buffer,
          "rounds": [r1, r2], "repeats": repeats, "bytes_per_step": nbytes,
          "methods": methods, **extra}
   return out
@@ -488,18 +506,24 @@ def stage_roofline(small: bool, deadline: float, peak, copy, peer: bool = False,
   grid = list(grid or (SMALL_ROOFLINE_GRID if small else ROOFLINE_GRID))
   rounds = tuple(rounds or ((4, 36) if small else (16, 144)))
   repeats = repeats or (3 if small else 5)
-  for shape, batch, context in grid:
+  grid = [tuple(row) + (None,) * (4 - len(row)) for row in grid]  # buffer: None
+  for shape, batch, context, buffer in grid:
     if shape not in shapes or batch < 1 or context < 1:
       raise ValueError(f"roofline grid row {(shape, batch, context)!r}: shape must be one of "
                        f"{sorted(shapes)}, batch and context positive")
-  max_len = max(c for _, _, c in grid) + rounds[1] + 64
+    if buffer is not None and (not isinstance(buffer, int) or buffer % 64
+                               or buffer < context + rounds[1] + 64):
+      raise ValueError(f"roofline grid row {(shape, batch, context, buffer)!r}: buffer "
+                       f"{buffer!r} must be a multiple of 64 with room for context {context} "
+                       f"+ {rounds[1]} steps + 64")
+  max_len = max(max(c + rounds[1] + 64, b or 0) for _, _, c, b in grid)
   models, rows, skipped, took = {}, [], [], {}
-  for shape, batch, context in grid:
+  for shape, batch, context, buffer in grid:
     # A row is not started if the last row of its shape, as long again (twice, at a longer
     # context: the engine's calls prefill it), would overrun.
     last_s, last_context = took.get(shape, (0.0, context))
     if time.monotonic() + last_s * (2 if context > last_context else 1) > deadline:
-      skipped.append({"shape": shape, "batch": batch, "context": context})
+      skipped.append({"shape": shape, "batch": batch, "context": context, "buffer": buffer})
       continue
     t0 = time.monotonic()
     if shape not in models:
@@ -507,7 +531,7 @@ def stage_roofline(small: bool, deadline: float, peak, copy, peer: bool = False,
       models[shape] = synthetic.random_model(kwargs, "bfloat16", seed=0)
     row = roofline_point(models[shape], shape, batch, context, rounds=rounds, repeats=repeats,
                          peer=peer, peer_compiled=not small, peak=peak, copy=copy,
-                         decode_kernel=decode_kernel)
+                         decode_kernel=decode_kernel, buffer=buffer)
     rows.append(row)
     row["row_s"] = time.monotonic() - t0
     took[shape] = (row["row_s"], context)
@@ -520,26 +544,27 @@ def stage_roofline(small: bool, deadline: float, peak, copy, peer: bool = False,
 
 def roofline_table(part: dict) -> list[str]:
   frac = lambda x: f"{x:.0%}" if x else "–"
-  lines = ["| shape | batch | context | bytes/step | method | step ms (quartiles) | GB/s "
-           "| of peak | of copy | × minimal | tokens/s |", "|" + "---|" * 11]
+  lines = ["| shape | batch | context | buffer | bytes/step | method | step ms (quartiles) "
+           "| GB/s | of peak | of copy | × minimal | tokens/s |", "|" + "---|" * 12]
   for r in part["rows"]:
     for name, m in r["methods"].items():
       gbps = f"{m['gbps']:.0f}" if m["gbps"] else "–"
       tps = f"{m['tokens_per_s']:.0f}" if m["tokens_per_s"] else "–"
-      lines.append(f"| {r['shape']} | {r['batch']} | {r['context']} | "
+      lines.append(f"| {r['shape']} | {r['batch']} | {r['context']} | {r['cache_size']} | "
                    f"{r['bytes_per_step'] / 1e9:.3f} GB | {name} | {m['step_ms']:.3f} "
                    f"({m['step_ms_q1']:.3f}–{m['step_ms_q3']:.3f}) | {gbps} | "
                    f"{frac(m['fraction_of_peak'])} | {frac(m['fraction_of_copy'])} | "
                    f"{m['ratio_to_minimal']:.2f} | {tps} |")
   for s in part.get("skipped_past_budget", []):
-    lines.append(f"| {s['shape']} | {s['batch']} | {s['context']} | skipped: past the budget "
-                 "|" + " |" * 7)
+    lines.append(f"| {s['shape']} | {s['batch']} | {s['context']} | {s['buffer'] or '–'} | "
+                 "skipped: past the budget |" + " |" * 7)
   lines.append("")
   for r in part["rows"]:
     same = ("yes" if r["minimal_equals_engine_greedy"] else
             f"the first {r['equal_prefix']} in every row, then they part (look for a near-tie, "
             "roofline_point)")
-    note = f"- {r['shape']}, batch {r['batch']}, context {r['context']}: minimal decode's " \
+    note = f"- {r['shape']}, batch {r['batch']}, context {r['context']}, buffer " \
+           f"{r['cache_size']}: minimal decode's " \
            f"tokens = engine T=0's: {same} (of {r['tokens_compared']} per row)"
     if "kernel_equal_prefix" in r:
       note += (f"; the decode kernel's tokens = engine T=0's for the first "

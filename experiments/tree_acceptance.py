@@ -3,9 +3,10 @@
   python -m experiments.tree_acceptance                     # N = 14, T = 0 and 1
   python -m experiments.tree_acceptance --nodes=8,14,24 --temperature=1.0 --repeats=0
   python -m experiments.tree_acceptance --drafter=eagle     # the stdlib-eagle head
+  python -m experiments.tree_acceptance --drafter=ngram --prompt_tokens=192  # prompt lookup
 
 For each temperature and node budget N, on the shipped pair with the draft model (or the
-EAGLE head, --drafter=eagle): one
+EAGLE head, --drafter=eagle, or prompt lookup's trees, --drafter=ngram): one
 batched call over --batch_prompts held-out prompts (same prompts and seed) per tree
 counts τ, tokens per target call, with its standard error from the committed-per-round
 histogram:
@@ -13,7 +14,8 @@ histogram:
   optimised    `trees.best_static(N, α̂ by sibling rank, depth, topk)`, α̂ measured on a
                probe tree (topk root children, then a chain) at the same temperature,
   dynamic      `specjax.DynamicTree(N, depth, topk)`: raw rank scores,
-  dynamic_alpha  the same with alpha=α̂ (sampled children priced by the alpha model),
+  dynamic_alpha  the same with alpha=α̂ (sampled children priced by the alpha model; not
+               for prompt lookup, whose dynamic tree scores by the matches' shares),
   dynamic_like   `DynamicTree.like(optimised, alpha=α̂)`: the optimised tree's nodes per
                depth, parents chosen each round.
 Then dynamic_like and the optimised tree decode --num_prompts prompts one a call with the
@@ -31,8 +33,9 @@ import specjax
 from experiments import common
 from specjax import trees
 
-_DRAFTER = flags.DEFINE_enum("drafter", "model", ["model", "eagle"],
-                              "The tree's drafter: the draft model or the EAGLE head.")
+_DRAFTER = flags.DEFINE_enum("drafter", "model", ["model", "eagle", "ngram"],
+                              "The tree's drafter: the draft model, the EAGLE head or prompt "
+                              "lookup.")
 _NODES = flags.DEFINE_list("nodes", ["14"], "Node budgets N.")
 _TEMPS = flags.DEFINE_list("temperature", ["0.0", "1.0"], "Temperatures.")
 _DEPTH = flags.DEFINE_integer("depth", 4, "Tree depth (dynamic and optimised).")
@@ -81,7 +84,8 @@ def main(argv):
         shapes["handpicked"] = hand
       shapes["optimised"] = trees.best_static(nodes, alpha, depth=depth, topk=topk)
       shapes["dynamic"] = specjax.DynamicTree(nodes, depth, topk)
-      shapes["dynamic_alpha"] = specjax.DynamicTree(nodes, depth, topk, alpha=alpha)
+      if _DRAFTER.value != "ngram":
+        shapes["dynamic_alpha"] = specjax.DynamicTree(nodes, depth, topk, alpha=alpha)
       shapes["dynamic_like"] = specjax.DynamicTree.like(shapes["optimised"], alpha=alpha)
       out = {name: tau(target, many, run_kw, t) for name, t in shapes.items()}
       row = dict(drafter=_DRAFTER.value, temperature=temperature, nodes=nodes, alpha_probe=alpha,

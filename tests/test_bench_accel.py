@@ -84,20 +84,35 @@ def test_roofline_stage_small_runs_on_the_cpu_and_reports_sane_numbers(tmp_path)
   assert methods["minimal static"]["ratio_to_minimal"] == 1.0
   text = (tmp_path / "summary.md").read_text()
   m = methods["engine T=1"]
-  assert (f"| llama-68m | 8 | 16 | {row['bytes_per_step'] / 1e9:.3f} GB | engine T=1 | "
+  assert (f"| llama-68m | 8 | 16 | {row['cache_size']} | {row['bytes_per_step'] / 1e9:.3f} GB "
+          f"| engine T=1 | "
           f"{m['step_ms']:.3f} ") in text
   assert (tmp_path / "accel.json").exists()
 
 
 def test_roofline_decode_kernel_row_runs_interpreted_on_the_cpu(tmp_path):
-  """The row a GPU run adds (`Options(decode_kernel=True)`), forced on here: it runs and
-  decodes the engine's greedy tokens."""
-  res = accel.run(tmp_path, small=True, stages=("roofline",), roofline_grid=[("llama-68m", 2, 16)],
-                  decode_kernel=True)
+  """The row a GPU run adds (`Options(decode_kernel=True)`), forced on here, in a buffer
+  longer than the context (the case the kernel is for): it runs and decodes the engine's
+  greedy tokens; every method's cache is the buffer, the bytes the valid slots'."""
+  res = accel.run(tmp_path, small=True, stages=("roofline",),
+                  roofline_grid=[("llama-68m", 2, 16, 256)], decode_kernel=True)
   row = res["roofline"]["rows"][0]
   assert "engine T=0 decode kernel" in row["methods"]
   assert row["kernel_equal_prefix"] == row["tokens_compared"]
-  assert "the decode kernel's tokens = engine T=0's" in (tmp_path / "summary.md").read_text()
+  assert (row["cache_size"], row["buffer"]) == (256, 256)
+  r1, r2 = row["rounds"]
+  model = synthetic.random_model(dict(accel.SMALL_SHAPES["llama-68m"], max_len=512),
+                                 "bfloat16", 0)
+  assert row["bytes_per_step"] == accel.step_bytes(model, 2, 16 + (r1 + r2) // 2)
+  text = (tmp_path / "summary.md").read_text()
+  assert "the decode kernel's tokens = engine T=0's" in text
+  assert "| llama-68m | 2 | 16 | 256 |" in text
+
+
+def test_roofline_refuses_a_buffer_without_room_before_work(tmp_path):
+  res = accel.run(tmp_path, small=True, stages=("roofline",),
+                  roofline_grid=[("llama-68m", 1, 16, 64)])
+  assert "buffer 64 must be a multiple of 64 with room" in res["roofline"]["error"]
 
 
 def test_equal_prefix_counts_the_leading_tokens_that_agree():
