@@ -253,6 +253,96 @@ class StructureTest(parameterized.TestCase):
     self.assertEqual(dtree.alpha, (0.7, 0.4))
 
 
+def _path(parents, i):
+  out = []
+  while i >= 0:
+    out.insert(0, i)
+    i = parents[i]
+  return out
+
+
+class PassesTest(parameterized.TestCase):
+  """What each node is scored with: the target pass and the draft's q, against uncached
+  forwards of the node's own root-to-node path in its row's tree."""
+
+  def test_target_pass_every_node_sees_its_path_in_its_rows_tree(self):
+    from specjax.models import kv_cache
+    from specjax.models import model as model_lib
+    target = tiny_model(vocab=16, n_layers=2, seed=3, llama=True, n_heads=4, n_kv_heads=2)
+    dtree = trees.DynamicTree(6, 3, 2, level_sizes=(2, 2, 2))
+    parents = np.array([[-1, -1, 0, 0, 3, 3], [-1, -1, 1, 1, 2, 3]], np.int32)
+    prompt = np.array([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]], np.int32)
+    nodes = np.array([[11, 12, 13, 14, 15, 1], [2, 3, 4, 5, 6, 7]], np.int32)
+    kv = kv_cache.init_kv(target.config, 2, 32)
+    _, kv = model_lib.forward_cached(target.graphdef, target.params, jnp.asarray(prompt[:, :4]),
+                                     kv)
+    chunk = jnp.concatenate([jnp.asarray(prompt[:, 4:]), jnp.asarray(nodes)], axis=1)
+    anc = tree_verify.ancestors_of(dtree, jnp.asarray(parents))
+    logits, _ = model_lib.forward_cached(
+        target.graphdef, target.params, chunk, kv,
+        **tree_verify.dynamic_layout(dtree, jnp.asarray([5, 5]), anc))
+    for b in range(2):
+      for i in range(dtree.num_nodes):
+        seq = list(prompt[b]) + [int(nodes[b, j]) for j in _path(parents[b], i)]
+        pad = [0] * (prompt.shape[1] + dtree.depth - len(seq))  # one compiled forward
+        full = target.logits(jnp.asarray([seq + pad]))[0, len(seq) - 1]
+        np.testing.assert_allclose(logits[b, i + 1], full, atol=1e-4, err_msg=f"{b} {i}")
+
+  @parameterized.parameters(("static", 1.0), ("dynamic", 1.0), ("dynamic", 0.7))
+  def test_model_drafters_q_is_the_draft_on_its_path(self, kind, temperature):
+    """Node i's q is the draft's processed distribution after its parent's path, the
+    path's tokens fed at their depths' positions (an uncached reference), in each row's
+    own tree; siblings never repeat a token."""
+    from specjax import arguments
+    from specjax.processors.sampling import Sampling, process_logits
+    target, draft = target_and_draft()
+    tree = (trees.Tree.from_branching((2, 2, 1)) if kind == "static"
+            else trees.DynamicTree(6, 3, 2, alpha=(0.6, 0.3)))
+    drafter = arguments.make_drafter(target, draft, "model", None, "probabilistic", 1, 4, tree)
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, 8, (2, 32)).astype(np.int32)
+    n = np.array([5, 7], np.int32)
+    state = jax.jit(drafter.prefill)(draft.params, drafter.init(2, 32), jnp.asarray(tokens),
+                                     jnp.asarray(n))
+    ys, qs, new = jax.jit(drafter.propose)(draft.params, state, jnp.asarray(tokens),
+                                           jnp.asarray(n), jax.random.PRNGKey(5),
+                                           Sampling.create(2, temperature=temperature))
+    ys, qs = np.asarray(ys), np.asarray(qs)
+    parents = (np.broadcast_to(tree.parents, (2, tree.num_nodes)) if kind == "static"
+               else np.asarray(new.parents))
+    shapes = set()
+    for b in range(2):
+      shapes.add(tuple(parents[b]))
+      for i in range(tree.num_nodes):
+        above = [int(ys[b, j]) for j in _path(parents[b], i)[:-1]]
+        seq = list(tokens[b, :n[b]]) + above
+        pad = [0] * (int(n.max()) + tree.depth - len(seq))
+        logits = draft.logits(jnp.asarray([seq + pad]))[0, len(seq) - 1]
+        q_ref = process_logits(logits, temperature, 0, 1.0)
+        np.testing.assert_allclose(qs[b, i], q_ref, atol=2e-5, err_msg=f"{b} {i}")
+      for par in set(parents[b].tolist()):
+        sibs = [int(ys[b, j]) for j in range(tree.num_nodes) if parents[b, j] == par]
+        self.assertEqual(len(sibs), len(set(sibs)))
+    if kind == "dynamic":
+      self.assertGreater(len(shapes), 1)  # the rows grew different trees
+
+  def test_rank_scores_with_alpha_are_the_written_out_model(self):
+    """Sampled rows score rank r by `alpha_rank_values`; the others by the raw log
+    probability at the candidate; neither reads q."""
+    logits = jax.random.normal(jax.random.PRNGKey(2), (2, 3, 8)) * 2.0
+    cands = jax.lax.top_k(logits, 4)[1]
+    alpha = (0.6, 0.3, 0.2)
+    got = np.asarray(tree_drafters.rank_scores(logits, cands, None, jnp.array([True, False]),
+                                               alpha))
+    probs = np.asarray(jax.nn.softmax(logits, axis=-1), np.float64)
+    for f in range(3):
+      ranked = np.sort(probs[0, f])[::-1]
+      np.testing.assert_allclose(np.exp(got[0, f]), alpha_rank_values(ranked, 4, alpha),
+                                 rtol=1e-5)
+      np.testing.assert_allclose(np.exp(got[1, f]), probs[1, f][np.asarray(cands[1, f])],
+                                 rtol=1e-5)
+
+
 ENGINE = {  # name: (DynamicTree's arguments, draft_sample, T, top-p)
     "sampled_T1": ((6, 3, 2), "probabilistic", 1.0, 1.0),
     "sampled_alpha_T08_topp": ((5, 2, 3, None, (0.6, 0.3)), "probabilistic", 0.8, 0.9),
