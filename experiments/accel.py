@@ -289,7 +289,8 @@ ROOFLINE_GRID = (("tinyllama-1.1b", 1, 512), ("llama3-8b", 1, 512),
                  ("tinyllama-1.1b", 8, 512, 4096), ("tinyllama-1.1b", 1, 512, 4096),
                  ("tinyllama-1.1b", 1, 4096), ("llama3-8b", 1, 4096),
                  ("tinyllama-1.1b", 8, 4096), ("llama3-8b", 8, 4096))
-SMALL_ROOFLINE_GRID = (("tinyllama-1.1b", 1, 32), ("llama3-8b", 8, 64), ("tinyllama-1.1b", 1, 32, 256))
+SMALL_ROOFLINE_GRID = (("tinyllama-1.1b", 1, 32), ("llama3-8b", 8, 64),
+                       ("tinyllama-1.1b", 1, 32, 256))
 ROOFLINE_METHODS = ("minimal static", "minimal traced", "engine T=0", "engine T=1",
                     "engine T=0 decode kernel", "transformers static cache")
 
@@ -376,6 +377,15 @@ def _per_step(times_long, times_short, steps):
           "samples_ms": [float(x) for x in per]}
 
 
+def _check_buffer(buffer, context: int, steps: int) -> None:
+  """A roofline row's KV buffer: None, or a multiple of 64 slots with room for the context,
+  the steps and 64 more."""
+  if buffer is not None and (not isinstance(buffer, int) or buffer % 64
+                             or buffer < context + steps + 64):
+    raise ValueError(f"buffer {buffer!r} must be a multiple of 64 with room for context "
+                     f"{context} + {steps} steps + 64")
+
+
 def roofline_point(model, shape: str, batch: int, context: int, *, rounds=(16, 144),
                    repeats: int = 5, peer: bool = False, peer_compiled: bool = True,
                    peak=None, copy=None, seed: int = 0, decode_kernel=None,
@@ -397,10 +407,8 @@ def roofline_point(model, shape: str, batch: int, context: int, *, rounds=(16, 1
     raise ValueError(f"context {context} + {r2} steps exceed the model's max_len "
                      f"{model.config.max_len}")
   max_new = r2 + 1
+  _check_buffer(buffer, context, r2)
   if buffer is not None:
-    if not isinstance(buffer, int) or buffer % 64 or buffer < context + r2 + 64:
-      raise ValueError(f"buffer {buffer!r} must be a multiple of 64 with room for context "
-                       f"{context} + {r2} steps + 64")
     if buffer > model.config.max_len:
       raise ValueError(f"buffer {buffer} exceeds the model's max_len {model.config.max_len}")
     max_new = buffer - context - 8  # prepare rounds the cache up to `buffer`
@@ -511,11 +519,10 @@ def stage_roofline(small: bool, deadline: float, peak, copy, peer: bool = False,
     if shape not in shapes or batch < 1 or context < 1:
       raise ValueError(f"roofline grid row {(shape, batch, context)!r}: shape must be one of "
                        f"{sorted(shapes)}, batch and context positive")
-    if buffer is not None and (not isinstance(buffer, int) or buffer % 64
-                               or buffer < context + rounds[1] + 64):
-      raise ValueError(f"roofline grid row {(shape, batch, context, buffer)!r}: buffer "
-                       f"{buffer!r} must be a multiple of 64 with room for context {context} "
-                       f"+ {rounds[1]} steps + 64")
+    try:
+      _check_buffer(buffer, context, rounds[1])
+    except ValueError as e:
+      raise ValueError(f"roofline grid row {(shape, batch, context, buffer)!r}: {e}") from None
   max_len = max(max(c + rounds[1] + 64, b or 0) for _, _, c, b in grid)
   models, rows, skipped, took = {}, [], [], {}
   for shape, batch, context, buffer in grid:

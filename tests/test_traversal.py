@@ -241,9 +241,8 @@ class WalkTest(parameterized.TestCase):
     p[()], q[()] = np.array([0.05, 0.3, 0.3, 0.35]), np.array([0.7, 0.1, 0.1, 0.1])
     tokens = [0, 1, 2] + [int(np.argmax(q[(x,)])) for x in (0, 1, 2)]
     for mode in ("sampled", "topk"):  # top-k: q is a point mass, so only `sampled` moves
-      law = lambda keep: self._law(tree, tokens, p, q, mode, keep)
-      gap = max(abs(law(False).get(k, 0) - law(True).get(k, 0))
-                for k in law(False).keys() | law(True).keys())
+      right, wrong = (self._law(tree, tokens, p, q, mode, keep) for keep in (False, True))
+      gap = max(abs(right.get(k, 0) - wrong.get(k, 0)) for k in right.keys() | wrong.keys())
       if mode == "sampled":
         self.assertGreater(gap, 0.05)  # > 10 sd of a frequency over 20,000 keys
       else:

@@ -36,9 +36,9 @@ from specjax.verify import tree as tree_verify
 def top_ids(x, k):
   """int32[..., k]: the indices of x's k largest values along the last axis, ties to the
   lower index (`lax.top_k`'s). XLA:CPU runs a top_k as a full sort of the vocabulary
-  where its rewrite to a TopK call does not apply (bfloat16 values; some k = 1 uses):
-  ~1 ms a call on the shipped pair's 2,048 tokens. So k = 1 is an argmax, and the rest
-  float32."""
+  where its rewrite to a TopK call does not apply (bfloat16 values; a k = 1 use in the
+  static depth-6 tree's proposal): ~1 ms a call on the shipped pair's 2,048 tokens. So
+  k = 1 is an argmax, and the rest float32."""
   if k == 1:
     return argmax(x)[..., None].astype(jnp.int32)
   return jax.lax.top_k(x.astype(jnp.float32), k)[1].astype(jnp.int32)
@@ -54,7 +54,7 @@ def sample_distinct(key, q, logits, k):
   inside = q > 0
   noise = jax.random.gumbel(key, q.shape, jnp.float32)
   drawn = top_ids(jnp.where(inside, jnp.log(jnp.where(inside, q, 1.0)) + noise, -jnp.inf), k)
-  rest = top_ids(jnp.where(inside, -jnp.inf, logits.astype(jnp.float32)), k)
+  rest = top_ids(jnp.where(inside, -jnp.inf, logits), k)
   j = jnp.arange(k)
   support = jnp.sum(inside, axis=-1, keepdims=True)  # the first `support` picks are draws
   fill = jnp.take_along_axis(rest, jnp.clip(j - support, 0, k - 1), axis=-1)
@@ -70,7 +70,6 @@ def draw_children(sample_mode, key, logits, sampling, k, history):
     logits = jax.vmap(sampling.adjust, in_axes=(1, 1), out_axes=1)(logits, history)
   q = sampling.process(logits)
   top = lambda: top_ids(logits, k)
-
   if sample_mode == "greedy":
     return top(), q
 
