@@ -118,6 +118,49 @@ CASES = [  # (vocab, γ, the target's kind, the draft's kind, seed)
     (3, 3, "one_hot", "dense", 9)]
 
 
+
+class VerifyTest(parameterized.TestCase):
+  """`block.verify` composes its parts as the law test's oracle does (which uses
+  `weights` and `weighted_residual`, not `verify`)."""
+
+  def test_outcome_frequencies_are_the_oracles(self):
+    """(τ, next token) over 50,000 keys against P(τ = t) = h_t Π_{j>t} (1 − h_j) and the
+    residual weighted by w_τ, within 5 sd + 1 count, on drafts where w_1 = 0.5 (so an
+    unweighted residual gives [.714, .286, 0] at τ = 1 where [.8, .2, 0] is right)."""
+    p = jnp.array([[.25, .25, .5], [.6, .3, .1], [1 / 3, 1 / 3, 1 / 3]])
+    q = jnp.array([[.5, .25, .25], [.1, .1, .8]])
+    ys = jnp.array([0, 2])
+    w, h, q_pad = (np.asarray(a, np.float64) for a in block.weights(ys, q, p))
+    want = {}
+    for t in range(3):
+      stop = (h[t - 1] if t else 1.0) * np.prod(1 - h[t:])
+      nxt = np.maximum(w[t] * np.asarray(p[t], np.float64) - q_pad[t], 0.0)
+      nxt = nxt / nxt.sum() if nxt.sum() > 0 else np.asarray(p[t], np.float64)
+      for y in range(3):
+        want[t, y] = stop * nxt[y]
+    n = 50000
+    tau, nxt, _ = jax.jit(jax.vmap(lambda k: block.verify(k, ys, q, p)))(
+        jax.random.split(jax.random.PRNGKey(1), n))
+    counts = {}
+    for t, y in zip(np.asarray(tau).tolist(), np.asarray(nxt).tolist()):
+      counts[t, y] = counts.get((t, y), 0) + 1
+    self.assertGreater(want[1, 0], 0.05)  # the weighted case is well represented
+    for key, prob in want.items():
+      got = counts.get(key, 0)
+      self.assertLessEqual(abs(got - n * prob), 5 * np.sqrt(n * prob * (1 - prob)) + 1,
+                           (key, got, n * prob))
+
+  def test_a_zero_uniform_never_passes_a_zero_weight(self):
+    """η is drawn from [0, 1): where h = 0 (p(y) = 0, or a position past the row's
+    length) even η = 0 must not pass."""
+    p = jnp.array([[0.0, .5, .5], [.2, .3, .5]])
+    q = jnp.array([[1.0, 0.0, 0.0]])
+    zeros = lambda key, shape=(), *a, **k: jnp.zeros(shape)
+    with mock.patch.object(jax.random, "uniform", zeros):
+      self.assertEqual(int(block.verify(jax.random.PRNGKey(0), jnp.array([0]), q, p)[0]), 0)
+      self.assertEqual(int(block.verify(jax.random.PRNGKey(0), jnp.array([1]), q,
+                                        jnp.array([[.2, .3, .5]] * 2), length=0)[0]), 0)
+
 class ExactLawTest(parameterized.TestCase):
 
   @parameterized.parameters(*CASES)

@@ -5,6 +5,8 @@ acceptance probabilities and residual; a Monte Carlo run of the real jitted samp
 and the deliberately wrong rule (redraw from p after a rejection) failing that check.
 """
 
+from unittest import mock
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -91,6 +93,18 @@ def within_bound(counts, probs, draws, z=6.0):
   probs = np.asarray(probs, np.float64)
   sd = np.sqrt(draws * probs * (1 - probs))
   return np.all(np.abs(counts - draws * probs) <= z * sd + 1), counts / draws
+
+
+class ZeroUniformTest(chex.TestCase):
+
+  def test_a_zero_uniform_never_accepts_a_token_p_excludes(self):
+    """u is drawn from [0, 1): a draft token with p(y) = 0 (cut by top-k/top-p or a
+    constraint) is rejected even at u = 0."""
+    zeros = lambda key, shape=(), *a, **k: jnp.zeros(shape)
+    with mock.patch.object(jax.random, "uniform", zeros):
+      n, _, _ = verify(jax.random.PRNGKey(0), jnp.array([0]), jnp.array([[1.0, 0.0, 0.0]]),
+                       jnp.array([[0.0, .5, .5], [.2, .3, .5]]))
+    self.assertEqual(int(n), 0)
 
 
 class MonteCarloTest(chex.TestCase):
