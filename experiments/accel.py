@@ -47,6 +47,7 @@ import specjax
 from experiments import common
 from experiments import synthetic
 from specjax import backends
+from specjax import checks
 from specjax import costs
 from specjax import prepare as prepare_lib
 from specjax.processors import sampling as sampling_lib
@@ -411,7 +412,8 @@ def roofline_point(model, shape: str, batch: int, context: int, *, rounds=(16, 1
   if buffer is not None:
     if buffer > model.config.max_len:
       raise ValueError(f"buffer {buffer} exceeds the model's max_len {model.config.max_len}")
-    max_new = buffer - context - 8  # prepare rounds the cache up to `buffer`
+    # prepare sizes the cache round_up(round_up(context, 16) + max_new + 2, 64) slots
+    max_new = buffer - checks.round_up(context, 16) - 8
   prompts = np.random.RandomState(seed).randint(
       0, model.config.vocab_size, (batch, context)).astype(np.int32)
   runs, extra = {}, {}

@@ -92,10 +92,11 @@ def test_roofline_stage_small_runs_on_the_cpu_and_reports_sane_numbers(tmp_path)
 
 def test_roofline_decode_kernel_row_runs_interpreted_on_the_cpu(tmp_path):
   """The row a GPU run adds (`Options(decode_kernel=True)`), forced on here, in a buffer
-  longer than the context (the case the kernel is for): it runs and decodes the engine's
-  greedy tokens; every method's cache is the buffer, the bytes the valid slots'."""
+  longer than the context (the case the kernel is for; a context off the prompt's
+  16-token bucket): it runs and decodes the engine's greedy tokens; every method's cache
+  is the buffer, the bytes the valid slots'."""
   res = accel.run(tmp_path, small=True, stages=("roofline",),
-                  roofline_grid=[("llama-68m", 2, 16, 256)], decode_kernel=True)
+                  roofline_grid=[("llama-68m", 2, 21, 256)], decode_kernel=True)
   row = res["roofline"]["rows"][0]
   assert "engine T=0 decode kernel" in row["methods"]
   assert row["kernel_equal_prefix"] == row["tokens_compared"]
@@ -103,10 +104,10 @@ def test_roofline_decode_kernel_row_runs_interpreted_on_the_cpu(tmp_path):
   r1, r2 = row["rounds"]
   model = synthetic.random_model(dict(accel.SMALL_SHAPES["llama-68m"], max_len=512),
                                  "bfloat16", 0)
-  assert row["bytes_per_step"] == accel.step_bytes(model, 2, 16 + (r1 + r2) // 2)
+  assert row["bytes_per_step"] == accel.step_bytes(model, 2, 21 + (r1 + r2) // 2)
   text = (tmp_path / "summary.md").read_text()
   assert "the decode kernel's tokens = engine T=0's" in text
-  assert "| llama-68m | 2 | 16 | 256 |" in text
+  assert "| llama-68m | 2 | 21 | 256 |" in text
 
 
 def test_roofline_refuses_a_buffer_without_room_before_work(tmp_path):
