@@ -288,13 +288,19 @@ class PassesTest(parameterized.TestCase):
         full = target.logits(jnp.asarray([seq + pad]))[0, len(seq) - 1]
         np.testing.assert_allclose(logits[b, i + 1], full, atol=1e-4, err_msg=f"{b} {i}")
 
-  @parameterized.parameters(("static", 1.0), ("dynamic", 1.0), ("dynamic", 0.7))
-  def test_model_drafters_q_is_the_draft_on_its_path(self, kind, temperature):
+  @parameterized.parameters(("static", 1.0), ("dynamic", 1.0), ("dynamic", 0.7),
+                            ("static", 1.0, True), ("dynamic", 1.0, True))
+  def test_model_drafters_q_is_the_draft_on_its_path(self, kind, temperature,
+                                                     processed=False):
     """Node i's q is the draft's processed distribution after its parent's path, the
     path's tokens fed at their depths' positions (an uncached reference), in each row's
-    own tree; siblings never repeat a token."""
+    own tree; siblings never repeat a token. `processed`: with penalties and an n-gram
+    ban, applied in float64 to the committed tokens and the node's own path (a depth-3
+    node's history is its depth-2 parent's, taken from the right frontier column)."""
     from specjax import arguments
+    from specjax.processors import history as hist
     from specjax.processors.sampling import Sampling, process_logits
+    from test_processors import EOS, PENALTIES, reference_logits
     target, draft = target_and_draft()
     tree = (trees.Tree.from_branching((2, 2, 1)) if kind == "static"
             else trees.DynamicTree(6, 3, 2, alpha=(0.6, 0.3)))
@@ -302,11 +308,19 @@ class PassesTest(parameterized.TestCase):
     rng = np.random.default_rng(3)
     tokens = rng.integers(0, 8, (2, 32)).astype(np.int32)
     n = np.array([5, 7], np.int32)
+    prompt_len = np.array([3, 4], np.int32)  # the committed tokens past it are generated
+    kw = dict(PENALTIES, no_repeat_ngram_size=2) if processed else {}
+    sampling = Sampling.create(2, temperature=temperature)
+    if processed:
+      pcfg, procs = hist.settings_from_args(2, 8, 8, np.zeros((1, 1), np.int32),
+                                            np.zeros(1, np.int32), [EOS], **kw)
+      sampling = Sampling.create(2, temperature=temperature, procs=procs, pcfg=pcfg)
+      sampling = sampling.replace(history=hist.init_history(
+          pcfg, sampling.procs, jnp.asarray(tokens), jnp.asarray(n), jnp.asarray(prompt_len), 8))
     state = jax.jit(drafter.prefill)(draft.params, drafter.init(2, 32), jnp.asarray(tokens),
                                      jnp.asarray(n))
     ys, qs, new = jax.jit(drafter.propose)(draft.params, state, jnp.asarray(tokens),
-                                           jnp.asarray(n), jax.random.PRNGKey(5),
-                                           Sampling.create(2, temperature=temperature))
+                                           jnp.asarray(n), jax.random.PRNGKey(5), sampling)
     ys, qs = np.asarray(ys), np.asarray(qs)
     parents = (np.broadcast_to(tree.parents, (2, tree.num_nodes)) if kind == "static"
                else np.asarray(new.parents))
@@ -318,7 +332,12 @@ class PassesTest(parameterized.TestCase):
         seq = list(tokens[b, :n[b]]) + above
         pad = [0] * (int(n.max()) + tree.depth - len(seq))
         logits = draft.logits(jnp.asarray([seq + pad]))[0, len(seq) - 1]
-        q_ref = process_logits(logits, temperature, 0, 1.0)
+        if processed:
+          ref = reference_logits(logits, [int(t) for t in seq], int(prompt_len[b]), kw)
+          q_ref = np.exp((ref - ref.max()) / temperature)
+          q_ref /= q_ref.sum()
+        else:
+          q_ref = process_logits(logits, temperature, 0, 1.0)
         np.testing.assert_allclose(qs[b, i], q_ref, atol=2e-5, err_msg=f"{b} {i}")
       for par in set(parents[b].tolist()):
         sibs = [int(ys[b, j]) for j in range(tree.num_nodes) if parents[b, j] == par]
