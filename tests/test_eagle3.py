@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+from flax import nnx
 
 import specjax
 from specjax.drafters import heads as head_drafters
@@ -267,3 +268,46 @@ def _valid(c):
       export_dtype=""))
   base.update(c)
   return base
+
+
+@pytest.mark.parametrize("at", [None, (1, 0)])
+def test_the_cpu_backends_fused_layer_is_the_layers_own_ops(at):
+  """Over the CPU backend's laid-out weights the layer runs as `joint_block` (the two
+  halves of its attention input as two products into one sum): a cached pass gives the
+  plain layer's h, logits and KV; with `at`, at those slots, and the KV of the slots up
+  to max(at)."""
+  from specjax import backends
+  target = e3_target()
+  head = e3_head(target)
+  hc, params = head.config, head.draft_params(target)
+  scales = iter(range(2, 9))  # every norm its own scale, so none can stand in for another
+  params = jax.tree_util.tree_map_with_path(
+      lambda path, x: x * (1 + 0.3 * jnp.cos(jnp.arange(x.shape[0]) * next(scales)))
+      if path[-1].key == "scale" else x, params)
+  cpu = backends.CpuBackend()
+  laid = cpu.layout(params)
+  layer = nnx.merge(heads_lib.graphdef_for(hc), laid).midlayer
+  fresh = kv_cache.init_kv(hc.layer_config, 2, SIZE)
+  cache = (fresh.k[0], fresh.v[0], fresh.length)
+  assert cpu.fuses_joint_block(hc.layer_config, layer.weights(), cache, None, 3)
+  feats = fused(target, hc, TOKENS[:, :P])
+  toks = jnp.asarray(TOKENS[:, 1:P + 1])
+  at = None if at is None else jnp.asarray(at, jnp.int32)
+
+  def apply(p):
+    fn = jax.jit(lambda p, kv: heads_lib.eagle_apply(hc, p, feats[:, :5], toks[:, :5], kv,
+                                                    empty=True, target_features=True))
+    _, _, kv = fn(p, fresh)
+    h = heads_lib.eagle_apply(hc, p, feats[:, :5], toks[:, :5], fresh, empty=True,
+                              target_features=True)[0][:, -3:]
+    return jax.jit(lambda p, kv: heads_lib.eagle_apply(hc, p, h, toks[:, 5:8], kv, at=at))(
+        p, kv)
+
+  with backends.use(cpu):
+    got = apply(laid)
+  want = apply(params)
+  for g, w in zip(got[:2], want[:2]):
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+  written = 5 + (3 if at is None else int(jnp.max(at)) + 1)
+  for g, w in zip(got[2].k + got[2].v, want[2].k + want[2].v):
+    np.testing.assert_allclose(g[:, :, :written], w[:, :, :written], rtol=1e-4, atol=1e-4)

@@ -155,6 +155,14 @@ class Backend:
   def block(self, cfg, weights: LayerWeights, x, cos, sin, cache, live=None):
     raise NotImplementedError(f"{self.name} has no fused layer")
 
+  def fuses_joint_block(self, cfg, weights: LayerWeights, cache, mask, tokens: int) -> bool:
+    """Whether `joint_block` runs EAGLE-3's layer."""
+    return False
+
+  def joint_block(self, cfg, weights: LayerWeights, embed_norm, h, e, cos, sin, cache,
+                  live=None):
+    raise NotImplementedError(f"{self.name} has no fused EAGLE-3 layer")
+
   def head(self, x, kernel, norm_scale, eps, live=None):
     raise NotImplementedError(f"{self.name} has no fused head")
 

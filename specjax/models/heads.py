@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from specjax import backends
 from specjax.models import checkpoint as checkpoint_lib
 from specjax.models import layers as layers_lib
 from specjax.models import model as model_lib
@@ -293,8 +294,9 @@ class Eagle3Head(nnx.Module):
                mask=None):
     """As `EagleHead.__call__`; features are the layer's h [B, T, d]: `inputs` of the
     target's, or the head's own predictions."""
+    live = None if at is None else jnp.max(at) + 1
     h, cache = self.midlayer(features, self.embed(next_tokens), positions, cache,
-                             read_cache, mask)
+                             read_cache, mask, live)
     if at is not None:
       h = jnp.take_along_axis(h, at[:, None, None], axis=1)
     return h, self.readout(h), cache
@@ -323,7 +325,19 @@ class Eagle3Layer(nnx.Module):
     h = h + attn_out
     return h + self.mlp(self.post_attention_layernorm(h))
 
-  def __call__(self, h, e, positions, cache=None, read_cache=True, mask=None):
+  def weights(self):
+    return backends.LayerWeights(
+        attn_norm=self.hidden_norm.scale[...], qkv=self.attn.qkv.kernel[...],
+        out=self.attn.out.kernel[...], mlp_norm=self.post_attention_layernorm.scale[...],
+        up=self.mlp.up.kernel[...], down=self.mlp.down.kernel[...])
+
+  def __call__(self, h, e, positions, cache=None, read_cache=True, mask=None, live=None):
+    """live: as `model.Block`'s, where the backend runs the layer (`joint_block`)."""
+    backend = backends.current()
+    if backend.fuses_joint_block(self.cfg, self.weights(), cache, mask, h.shape[1]):
+      cos, sin = layers_lib.rope_angles(positions, layers_lib.rope_frequencies(self.cfg))
+      return backend.joint_block(self.cfg, self.weights(), self.input_layernorm.scale[...],
+                                 h, e, cos, sin, cache, live)
     attn_out, cache = self.attn(self.joint(h, e), positions, cache, read_cache, mask)
     return self.finish(h, attn_out), cache
 

@@ -141,9 +141,38 @@ class CpuBackend(Backend):
     computed (and their KV written), the rest are zeros.
     """
     b, t, d = x.shape
-    rows = dict(live=live, period=t)
     flat = x.reshape(b * t, d)
-    qkv = kern.panel_matmul(flat, weights.qkv, weights.attn_norm, cfg.norm_eps, **rows)
+    qkv = kern.panel_matmul(flat, weights.qkv, weights.attn_norm, cfg.norm_eps, live=live,
+                            period=t)
+    return self._after_qkv(cfg, weights, qkv, flat, (b, t, d), cos, sin, cache, live)
+
+  def fuses_joint_block(self, cfg, weights: LayerWeights, cache, mask, tokens: int) -> bool:
+    """`fuses_block`'s conditions, with the qkv panels 2 d deep."""
+    return (self.fuses_block(cfg, weights, cache, mask, tokens)
+            and weights.qkv.shape[1] == 2 * cfg.d_model)
+
+  def joint_block(self, cfg, weights: LayerWeights, embed_norm, h, e, cos, sin, cache,
+                  live=None):
+    """EAGLE-3's layer (`heads.Eagle3Layer`) as six calls: its attention reads
+    [RMSNorm(e) | RMSNorm(h)] as two products into one sum (the qkv panels' first d rows
+    take e, with `embed_norm`; the rest h, with `weights.attn_norm`), so neither norm
+    nor the concatenation is an op of its own; then `block`'s last four, on the residual
+    stream h. h and e [B, T, d]."""
+    b, t, d = h.shape
+    rows = dict(live=live, period=t)
+    flat = h.reshape(b * t, d).astype(jnp.float32)
+    qkv = kern.panel_matmul(e.reshape(b * t, d).astype(jnp.float32), weights.qkv[:, :d],
+                            embed_norm, cfg.norm_eps, **rows)
+    qkv = kern.panel_matmul(flat, weights.qkv[:, d:], weights.attn_norm, cfg.norm_eps,
+                            add=qkv, **rows)
+    return self._after_qkv(cfg, weights, qkv, flat, (b, t, d), cos, sin, cache, live)
+
+  def _after_qkv(self, cfg, weights, qkv, flat, shape, cos, sin, cache, live):
+    """A layer's last four calls from its qkv projection [B T, ...] and residual stream
+    `flat` [B T, d]: RoPE + attention + KV write, out + residual, norm + up,
+    SwiGLU + down + residual."""
+    b, t, d = shape
+    rows = dict(live=live, period=t)
     out, k_buf, v_buf = self.rope_attention(qkv.reshape(b, t, -1), cos, sin, cache,
                                             cfg.n_heads, live)
     flat = kern.panel_matmul(out.reshape(b * t, -1), weights.out, add=flat, **rows)
