@@ -274,8 +274,9 @@ def _valid(c):
 def test_the_cpu_backends_fused_layer_is_the_layers_own_ops(at):
   """Over the CPU backend's laid-out weights the layer runs as `joint_block` (the two
   halves of its attention input as two products into one sum): a cached pass gives the
-  plain layer's h, logits and KV; with `at`, at those slots, and the KV of the slots up
-  to max(at)."""
+  h, logits and KV of the layer's own ops over the same panels; with `at`, at those slots, and the KV of the slots up
+  to max(at), the later ones left unwritten. bfloat16 panels (`host_layout` of
+  bfloat16-exact weights): float32 ones keep the unfused layer."""
   from specjax import backends
   target = e3_target()
   head = e3_head(target)
@@ -284,12 +285,25 @@ def test_the_cpu_backends_fused_layer_is_the_layers_own_ops(at):
   params = jax.tree_util.tree_map_with_path(
       lambda path, x: x * (1 + 0.3 * jnp.cos(jnp.arange(x.shape[0]) * next(scales)))
       if path[-1].key == "scale" else x, params)
-  cpu = backends.CpuBackend()
-  laid = cpu.layout(params)
+  params = jax.tree_util.tree_map(  # bfloat16 values, float32 arrays
+      lambda x: x.astype(jnp.bfloat16).astype(x.dtype) if x.dtype == jnp.float32 else x, params)
+  ran = []
+
+  class Counted(backends.CpuBackend):
+    def joint_block(self, *args, **kwargs):
+      ran.append(True)
+      return super().joint_block(*args, **kwargs)
+
+  cpu = Counted()
+  laid = cpu.host_layout(params)
   layer = nnx.merge(heads_lib.graphdef_for(hc), laid).midlayer
   fresh = kv_cache.init_kv(hc.layer_config, 2, SIZE)
   cache = (fresh.k[0], fresh.v[0], fresh.length)
+  assert layer.weights().qkv.dtype == jnp.bfloat16
   assert cpu.fuses_joint_block(hc.layer_config, layer.weights(), cache, None, 3)
+  assert not cpu.fuses_joint_block(
+      hc.layer_config, nnx.merge(heads_lib.graphdef_for(hc), cpu.layout(params)).midlayer
+      .weights(), cache, None, 3)  # float32 panels
   feats = fused(target, hc, TOKENS[:, :P])
   toks = jnp.asarray(TOKENS[:, 1:P + 1])
   at = None if at is None else jnp.asarray(at, jnp.int32)
@@ -303,11 +317,20 @@ def test_the_cpu_backends_fused_layer_is_the_layers_own_ops(at):
     return jax.jit(lambda p, kv: heads_lib.eagle_apply(hc, p, h, toks[:, 5:8], kv, at=at))(
         p, kv)
 
+  class Unfused(backends.CpuBackend):
+    def fuses_joint_block(self, *args):
+      return False
+
   with backends.use(cpu):
     got = apply(laid)
-  want = apply(params)
+  assert ran  # the pass went through joint_block
+  with backends.use(Unfused()):  # the layer's own ops over the same panels
+    want = apply(laid)
   for g, w in zip(got[:2], want[:2]):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
   written = 5 + (3 if at is None else int(jnp.max(at)) + 1)
   for g, w in zip(got[2].k + got[2].v, want[2].k + want[2].v):
     np.testing.assert_allclose(g[:, :, :written], w[:, :, :written], rtol=1e-4, atol=1e-4)
+    if at is not None:  # past max(at): not computed, the fresh cache's zeros
+      np.testing.assert_array_equal(g[:, :, written:8], 0.0)
+      assert np.all(np.abs(np.asarray(w[:, :, written:8])).sum(-1) > 0)
