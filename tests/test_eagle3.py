@@ -274,9 +274,10 @@ def _valid(c):
 def test_the_cpu_backends_fused_layer_is_the_layers_own_ops(at):
   """Over the CPU backend's laid-out weights the layer runs as `joint_block` (the two
   halves of its attention input as two products into one sum): a cached pass gives the
-  h, logits and KV of the layer's own ops over the same panels; with `at`, at those slots, and the KV of the slots up
-  to max(at), the later ones left unwritten. bfloat16 panels (`host_layout` of
-  bfloat16-exact weights): float32 ones keep the unfused layer."""
+  h, logits and KV of the layer's own ops over the same panels; with `at`, at those
+  slots, and the KV of the slots up to max(at), the later ones left unwritten.
+  bfloat16 panels (`host_layout` of bfloat16-exact weights): float32 ones keep the
+  unfused layer."""
   from specjax import backends
   target = e3_target()
   head = e3_head(target)
@@ -309,11 +310,9 @@ def test_the_cpu_backends_fused_layer_is_the_layers_own_ops(at):
   at = None if at is None else jnp.asarray(at, jnp.int32)
 
   def apply(p):
-    fn = jax.jit(lambda p, kv: heads_lib.eagle_apply(hc, p, feats[:, :5], toks[:, :5], kv,
-                                                    empty=True, target_features=True))
-    _, _, kv = fn(p, fresh)
-    h = heads_lib.eagle_apply(hc, p, feats[:, :5], toks[:, :5], fresh, empty=True,
-                              target_features=True)[0][:, -3:]
+    h, _, kv = jax.jit(lambda p, kv: heads_lib.eagle_apply(
+        hc, p, feats[:, :5], toks[:, :5], kv, empty=True, target_features=True))(p, fresh)
+    h = h[:, -3:]
     return jax.jit(lambda p, kv: heads_lib.eagle_apply(hc, p, h, toks[:, 5:8], kv, at=at))(
         p, kv)
 

@@ -333,10 +333,10 @@ class Eagle3Layer(nnx.Module):
 
   def __call__(self, h, e, positions, cache=None, read_cache=True, mask=None, live=None):
     """live: as `model.Block`'s, where the backend runs the layer (`joint_block`)."""
-    backend = backends.current()
-    if backend.fuses_joint_block(self.cfg, self.weights(), cache, mask, h.shape[1]):
+    backend, weights = backends.current(), self.weights()
+    if backend.fuses_joint_block(self.cfg, weights, cache, mask, h.shape[1]):
       cos, sin = layers_lib.rope_angles(positions, layers_lib.rope_frequencies(self.cfg))
-      return backend.joint_block(self.cfg, self.weights(), self.input_layernorm.scale[...],
+      return backend.joint_block(self.cfg, weights, self.input_layernorm.scale[...],
                                  h, e, cos, sin, cache, live)
     attn_out, cache = self.attn(self.joint(h, e), positions, cache, read_cache, mask)
     return self.finish(h, attn_out), cache

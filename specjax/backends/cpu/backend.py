@@ -149,9 +149,9 @@ class CpuBackend(Backend):
   def fuses_joint_block(self, cfg, weights: LayerWeights, cache, mask, tokens: int) -> bool:
     """`fuses_block`'s conditions, with the qkv panels 2 d deep and in bfloat16. The two
     halves are slices of the panels, which XLA leaves inside the decode loop: a copy
-    per call. bfloat16 panels (`host_layout` of the shipped heads) showed no cost for it;
-    float32 ones took ~90 µs for the two products against ~24 µs pre-split at
-    stdlib-eagle3's shape, so they keep the unfused layer, one product over the panels."""
+    every call. Over bfloat16 panels (`host_layout` of the shipped heads) the fused
+    layer is still the faster (docs/ARCHITECTURE.md); float32 panels keep the unfused
+    layer, one product over the panels."""
     return (self.fuses_block(cfg, weights, cache, mask, tokens)
             and weights.qkv.shape[1] == 2 * cfg.d_model and weights.qkv.dtype == jnp.bfloat16)
 
